@@ -1,0 +1,256 @@
+"""One backend call: the pipeline from AOTAutograd's joint graph to a multi-stream program.
+
+AOTAutograd calls back into `GraphCompilation` in this order: ``partition``
+(the joint graph), then ``compile_forward``, then, lazily at the first
+``.backward()``, ``compile_backward``; or only ``compile_inference`` when no
+gradient is needed. The passes run in pipeline order through a `PassRunner`,
+whose instruments time and dump them::
+
+    joint:   [stock joint passes] -> find_stop_gradient_blocks -> schedule_early_backward
+             -> partition_joint_graph
+    forward: assign_streams -> split_segments -> compile each segment -> StreamProgram
+
+Failure policy (``cfg.on_error``): under ``"fallback"`` any error in
+erase_fx's own work is logged with its reason and the graph takes the stock
+path (stock partitioner; the forward compiled whole, on the current stream).
+Gradients are exact either way. Under ``"raise"`` the error propagates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
+from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
+from erase_fx.errors import EraseError, EraseRuntimeError, UnsupportedBlockError
+from erase_fx.instruments import DumpInstrument, PassRunner, TimingInstrument
+from erase_fx.passes import (
+    BlockAnalysis,
+    Role,
+    assign_streams,
+    find_stop_gradient_blocks,
+    get_meta,
+    partition_joint_graph,
+    schedule_early_backward,
+    split_segments,
+    stock_partition,
+)
+from erase_fx.passes.graph import primals
+from erase_fx.report import GraphReport
+
+log = logging.getLogger("erase_fx")
+
+
+class GraphCompilation:
+    """The state shared by AOTAutograd's callbacks for one compiled graph."""
+
+    def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str]):
+        self.cfg = cfg
+        self.graph_id = graph_id
+        self.input_names = list(input_names)
+        self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
+        self.timing = TimingInstrument()
+        self.dump = DumpInstrument(cfg.dump_dir, graph_id) if cfg.dump_dir else None
+        self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
+        self.has_early_blocks = False
+        self.bw_donates_buffers = False
+
+    # -- AOTAutograd callbacks ------------------------------------------------
+
+    def partition(
+        self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kwargs.pop("compiler", None)
+        if isinstance(joint_inputs, (list, tuple)) and not joint_inputs:
+            # NB: AOT also partitions nested-region (invoke_subgraph) joint
+            # graphs, with no inputs: those keep the stock partitioner.
+            return stock_partition(joint, joint_inputs, self.cfg,
+                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+        joint = run_stock_joint_passes(joint, self.cfg.inner)
+        try:
+            return self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+        except Exception as error:  # noqa: BLE001 - the documented fallback
+            self._fall_back("partition", error)
+            self.has_early_blocks = False
+            return stock_partition(joint, joint_inputs, self.cfg,
+                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        self._note_donated_buffers()
+        if not any(_is_early(n) for n in fw.graph.nodes):
+            return compile_graph(fw, example_inputs, self.cfg.inner)
+        try:
+            return self._compile_segments(fw, example_inputs)
+        except Exception as error:  # noqa: BLE001 - the documented fallback
+            self._fall_back("compile_forward", error, keep_schedule=True)
+            return compile_graph(fw, example_inputs, self.cfg.inner)
+
+    def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        if self.dump is not None:
+            self.runner.record("bwd", bw)
+        return compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
+
+    def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        self.report = self.report.with_fallback("inference graph: no backward to run early")
+        return compile_graph(gm, example_inputs, self.cfg.inner, is_inference=True)
+
+    # -- the pipeline ---------------------------------------------------------
+
+    def _partition(
+        self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        run = self.runner.run
+        self.runner.record("joint", joint)
+        analysis: BlockAnalysis = run(
+            "find_stop_gradient_blocks", find_stop_gradient_blocks, joint, self.cfg,
+            num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
+        )
+        self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg)
+        self._raise_if_unsupported(analysis)
+        if not analysis.blocks:
+            self.report = self.report.with_fallback("no early block")
+            return stock_partition(joint, joint_inputs, self.cfg,
+                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+        scheduled = run("schedule_early_backward", schedule_early_backward, joint, self.cfg,
+                        analysis)
+        fw, bw = run("partition_joint_graph", partition_joint_graph, scheduled.gm, joint_inputs,
+                     self.cfg, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.has_early_blocks = True
+        return fw, bw
+
+    def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> StreamProgram:
+        run = self.runner.run
+        assigned = run("assign_streams", assign_streams, fw, self.cfg)
+        segmented = run("split_segments", split_segments, assigned.gm, self.cfg)
+        compiled = {
+            segment.name: compile_segment(
+                getattr(segmented.gm, segment.name),
+                example_inputs_of(getattr(segmented.gm, segment.name)),
+                self.cfg.inner,
+            )
+            for segment in segmented.segments
+        }
+        device = cuda_device_of(example_inputs)
+        streams = CudaStreams(device, self.cfg.streams) if device is not None else VirtualStreams()
+        return StreamProgram.build(segmented, compiled, streams)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _raise_if_unsupported(self, analysis: BlockAnalysis) -> None:
+        if self.cfg.on_error != "raise":
+            return
+        for rejected in analysis.rejected:
+            if rejected.reason.is_unsupported:
+                raise UnsupportedBlockError(
+                    "find_stop_gradient_blocks",
+                    f"the backward of the block with parameters {list(rejected.params)} cannot "
+                    f"run early: {rejected.detail}",
+                    node=rejected.node,
+                    fix="remove the non-linear gradient op (e.g. a custom autograd.Function that "
+                    "clips its incoming gradient), or pass options={'on_error': 'fallback'} to "
+                    "keep that block in the backward",
+                )
+
+    def _fall_back(self, where: str, error: Exception, keep_schedule: bool = False) -> None:
+        if self.cfg.on_error == "raise":
+            raise error
+        reason = f"{where} failed: {type(error).__name__}: {error}"
+        log.warning("erase_fx graph %d takes the stock path: %s", self.graph_id, reason)
+        if keep_schedule:
+            # The forward still computes the early grads, on one stream.
+            self.report = dataclasses.replace(self.report, fallback_reason=reason)
+        else:
+            self.report = self.report.with_fallback(reason)
+
+    def _primal_names(self, joint: fx.GraphModule) -> list[str]:
+        names = []
+        for i, node in enumerate(primals(joint.graph)):
+            index = getattr(node.meta.get("desc"), "idx", i)
+            names.append(self.input_names[index] if index < len(self.input_names) else node.name)
+        return names
+
+    def _note_donated_buffers(self) -> None:
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+        fw_metadata = getattr(context, "fw_metadata", None) if context else None
+        self.bw_donates_buffers = bool(getattr(fw_metadata, "bw_donated_idxs", None))
+
+    def finish(self) -> GraphReport:
+        if self.dump is not None:
+            self.dump.write_report(self.report)
+        log.info("erase_fx %s", self.report.summary())
+        return self.report
+
+    def guard_backward(self, outputs: Any) -> None:
+        """Make unsupported backward uses of this graph's outputs raise a clear error."""
+        seen = set()
+        for value in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+            grad_fn = getattr(value, "grad_fn", None)
+            if grad_fn is None or id(grad_fn) in seen:
+                continue
+            seen.add(id(grad_fn))
+            grad_fn.register_prehook(self._check_backward)
+
+    def _check_backward(self, grad_outputs: Any) -> None:
+        if torch.is_grad_enabled():
+            raise EraseRuntimeError(
+                "backward",
+                "double backward (create_graph=True) through a graph with early blocks is not "
+                "supported: their gradients were computed in the forward, outside autograd",
+                fix="compile this model without backend='erase' for higher-order gradients",
+            )
+        if self.bw_donates_buffers and torch._C._autograd._get_current_graph_task_keep_graph():
+            raise EraseRuntimeError(
+                "backward",
+                "retain_graph=True through a graph whose backward reuses (donates) its saved "
+                "tensors, early gradients included: a second backward would read overwritten "
+                "values",
+                fix="call backward once per forward, or set "
+                "torch._functorch.config.donated_buffer = False before compiling",
+            )
+
+
+def _is_early(node: fx.Node) -> bool:
+    meta = get_meta(node)
+    return meta is not None and meta.role is Role.EARLY_BACKWARD
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+_SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
+
+
+def input_names(gm: fx.GraphModule) -> list[str]:
+    """A readable name for each flat input AOTAutograd sees: parameters by qualified name.
+
+    AOT's flat inputs are the module's own parameters and buffers (none when
+    Dynamo lifts them, the default) followed by the graph's placeholders.
+    """
+    names = [n for n, _ in gm.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in gm.named_buffers(remove_duplicate=False)]
+    for node in gm.graph.find_nodes(op="placeholder"):
+        names.append(_source_name(node))
+    return names
+
+
+def _source_name(node: fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return str(node.target)
+    name = source.name() if callable(source.name) else source.name
+    parts = _SOURCE_PART.findall(name)
+    if parts:
+        return ".".join(parts)
+    local = _SOURCE_LOCAL.match(name)
+    return local.group(1) if local else name
+
+
+__all__ = ["EraseError", "GraphCompilation", "input_names"]

@@ -1,0 +1,118 @@
+"""The settings of one erase_fx compilation.
+
+`EraseConfig` is built from ``torch.compile(model, backend="erase", options={...})``.
+Every field is documented here and in the README's options table; an unknown
+option or a value of the wrong kind raises `EraseOptionError` listing what is
+allowed and the default. Environment variables are read only for debugging
+dumps (``ERASE_FX_DUMP``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from erase_fx.errors import EraseOptionError
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+PARTITIONERS = ("min_cut", "default")
+ON_ERROR = ("fallback", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class EraseConfig:
+    """What erase_fx does with one compiled graph.
+
+    Attributes:
+        streams: number of side streams the early backward blocks are spread
+            over, round-robin by block order (block ``i`` runs on side stream
+            ``1 + i % streams``; stream 0 is the main stream, where the forward
+            runs). On CPU the streams are virtual: segments run in program
+            order.
+        inner: the compiler of each segment and of the backward:
+            ``"inductor"`` (fused kernels; the graph is traced with Inductor's
+            decompositions), ``"aot_eager"`` (each segment runs its FX code, as
+            torch's ``aot_eager`` backend does), ``"eager"`` (each segment runs
+            node by node through ``torch.fx.Interpreter``, for debugging).
+        partitioner: the stock AOTAutograd partitioner used for everything that
+            is not an early block: ``"min_cut"`` (recomputes cheap forward ops
+            in the backward to save memory, as ``inductor`` and ``aot_eager``
+            do) or ``"default"`` (saves what the backward reads).
+        seed: the loss gradient the early backward is computed with. The
+            backward returns ``T / seed * early_grad`` where ``T`` is the real
+            loss gradient (1 for ``loss.backward()``, the scale for
+            ``scaler.scale(loss).backward()``). Set it near a GradScaler's scale
+            when the early grads are fp16, so small grads do not underflow.
+        cudagraphs: capture the multi-stream forward in CUDA graphs. Not
+            supported yet: only ``False`` is accepted.
+        dump_dir: a folder to write each compiled graph's passes, segments and
+            report into (``graph_<n>/``); ``ERASE_FX_DUMP`` sets it too. ``None``
+            writes nothing.
+        on_error: what a failure inside erase_fx does: ``"fallback"`` logs a
+            warning with the reason and compiles the graph on the stock path
+            (no early block, gradients still exact); ``"raise"`` raises the
+            `EraseError`. A block whose backward cannot be proven safe to run
+            early (a mutation, an op not known to be linear in the loss
+            gradient) stays in the backward under ``"fallback"`` and raises
+            under ``"raise"``.
+    """
+
+    streams: int = 4
+    inner: str = "inductor"
+    partitioner: str = "min_cut"
+    seed: float = 1.0
+    cudagraphs: bool = False
+    dump_dir: str | None = None
+    on_error: str = "fallback"
+
+    def __post_init__(self) -> None:
+        _check_type("streams", self.streams, int)
+        if self.streams < 1:
+            raise EraseOptionError("streams", self.streams, "an integer >= 1")
+        _check_choice("inner", self.inner, INNER_COMPILERS)
+        _check_choice("partitioner", self.partitioner, PARTITIONERS)
+        _check_choice("on_error", self.on_error, ON_ERROR)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, float)):
+            raise EraseOptionError("seed", self.seed, "a finite non-zero float")
+        if not math.isfinite(self.seed) or self.seed == 0:
+            raise EraseOptionError("seed", self.seed, "a finite non-zero float")
+        _check_type("cudagraphs", self.cudagraphs, bool)
+        if self.cudagraphs:
+            raise EraseOptionError(
+                "cudagraphs",
+                self.cudagraphs,
+                "False (CUDA graph capture is not supported by this version of erase_fx)",
+            )
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> EraseConfig:
+        """Build a config from ``torch.compile(..., options=...)``.
+
+        ``ERASE_FX_DUMP`` fills ``dump_dir`` when the options leave it unset.
+        """
+        options = dict(options or {})
+        allowed = {f.name: f.default for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise EraseOptionError.unknown(unknown, allowed)
+        if options.get("dump_dir") is None and os.environ.get("ERASE_FX_DUMP"):
+            options["dump_dir"] = os.environ["ERASE_FX_DUMP"]
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> EraseConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_type(name: str, value: Any, kind: type) -> None:
+    # NB: bool is an int subclass; streams=True is a mistake, not 1.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise EraseOptionError(name, value, f"a {kind.__name__}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise EraseOptionError(name, value, "one of " + ", ".join(repr(c) for c in choices))

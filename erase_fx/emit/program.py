@@ -1,0 +1,151 @@
+"""The driver: runs the compiled segments of a forward in order, on their streams.
+
+`StreamProgram` is built once per compiled forward from the split module's
+top-level graph: each ``call_module`` becomes a `Step` that reads and writes
+numbered slots, and each slot is cleared after its last reader, so tensors
+die as early as in the unsplit graph. Calling it runs the steps in launch
+order; `streams.StreamOps` decides what a step on a side stream means:
+
+- on CUDA (`CudaStreams`), a side step forks from the main stream
+  (``side.wait_stream(main)``: its inputs are ready), marks every input
+  tensor as used by the side stream (``record_stream``: the caching allocator
+  will not hand the memory out again before the side stream is done with it),
+  and runs under ``torch.cuda.stream(side)``; at the end the main stream
+  waits for every side stream used (the join) and marks the side-stream
+  outputs as used by the main stream;
+- on CPU (`VirtualStreams`), streams are virtual and the same steps simply
+  run in order.
+
+No stream or event op is ever inside a compiled segment: Inductor may reorder
+side-effect ops against compute, so syncs live here, between segments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch.fx as fx
+
+from erase_fx.emit.inner import BoxedCallable
+from erase_fx.emit.streams import StreamOps
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes import MAIN_STREAM, SegmentedForward
+
+WHERE = "emit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One compiled segment call.
+
+    Attributes:
+        name: the segment's name.
+        stream: the stream it runs on (0 = main).
+        fn: the compiled segment (boxed: takes a list).
+        inputs: slots of its arguments.
+        outputs: for each output of the segment, the slot it goes to (-1: unused).
+        frees: slots whose last reader is this step, cleared after it runs.
+    """
+
+    name: str
+    stream: int
+    fn: BoxedCallable
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    frees: tuple[int, ...]
+
+
+class StreamProgram:
+    """A compiled multi-stream forward, with AOTAutograd's boxed calling convention."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        steps: tuple[Step, ...],
+        num_inputs: int,
+        num_slots: int,
+        results: tuple[tuple[str, Any], ...],
+        streams: StreamOps,
+    ):
+        self.steps = steps
+        self.num_inputs = num_inputs
+        self.num_slots = num_slots
+        self.results = results  # ("slot", i) or ("const", value), per graph output
+        self.streams = streams
+        self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
+        slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
+        self.side_results = tuple(
+            i for i, (kind, slot) in enumerate(results)
+            if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
+        )
+
+    @classmethod
+    def build(
+        cls,
+        segmented: SegmentedForward,
+        compiled: Mapping[str, BoxedCallable],
+        streams: StreamOps,
+    ) -> StreamProgram:
+        graph = segmented.gm.graph
+        slot: dict[fx.Node, int] = {}
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        for i, node in enumerate(placeholders):
+            slot[node] = i
+        raw_steps = []
+        for node in graph.nodes:
+            if node.op == "call_module":
+                raw_steps.append(node)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                slot[node] = len(slot)
+            elif node.op not in ("placeholder", "output"):
+                raise GraphInvariantError(WHERE, f"unexpected top-level {node.op} in the split "
+                                          "module", node=node.name)
+
+        out = graph.find_nodes(op="output")[0]
+        out_values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+        results = tuple(
+            ("slot", slot[v]) if isinstance(v, fx.Node) else ("const", v) for v in out_values
+        )
+        kept = {slot[v] for v in out_values if isinstance(v, fx.Node)}
+        last_reader: dict[int, int] = {}
+        for k, call in enumerate(raw_steps):
+            for arg in call.all_input_nodes:
+                last_reader[slot[arg]] = k
+
+        steps = []
+        for k, call in enumerate(raw_steps):
+            segment = segmented.segment(call.target)
+            outputs: dict[int, int] = {}
+            for user in call.users:
+                outputs[user.args[1]] = slot[user]
+            width = max(outputs, default=-1) + 1
+            steps.append(Step(
+                name=segment.name,
+                stream=segment.stream,
+                fn=compiled[segment.name],
+                inputs=tuple(slot[a] for a in call.args),
+                outputs=tuple(outputs.get(i, -1) for i in range(width)),
+                frees=tuple(s for s, last in last_reader.items() if last == k and s not in kept),
+            ))
+        return cls(tuple(steps), len(placeholders), len(slot), results, streams)
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        if len(args) != self.num_inputs:
+            raise GraphInvariantError(WHERE, f"expected {self.num_inputs} inputs, got {len(args)}")
+        env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
+        args.clear()  # NB: boxed convention: we own the inputs now and free them early
+        streams = self.streams
+        for step in self.steps:
+            inputs = [env[i] for i in step.inputs]
+            outputs = streams.run(step.stream, step.fn, inputs)
+            for slot, value in zip(step.outputs, outputs):
+                if slot >= 0:
+                    env[slot] = value
+            for slot in step.frees:
+                env[slot] = None
+        results = [env[value] if kind == "slot" else value for kind, value in self.results]
+        streams.join(self.side_streams, [results[i] for i in self.side_results])
+        return results

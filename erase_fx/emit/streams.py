@@ -1,0 +1,89 @@
+"""What running a step on a stream means: CUDA streams, or virtual ones on CPU.
+
+`StreamOps.run(stream, fn, inputs)` runs one compiled segment on a stream;
+`StreamOps.join(streams, outputs)` ends a forward: the main stream waits for
+the side streams, and outputs made there become safe to use on the main
+stream.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from erase_fx.emit.inner import BoxedCallable
+from erase_fx.passes import MAIN_STREAM
+
+
+class StreamOps(Protocol):
+    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]: ...
+
+    def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None: ...
+
+
+class VirtualStreams:
+    """CPU: streams are labels; steps run in program order.
+
+    With ``trace=True`` it records what a CUDA run would do, as
+    ``("run", stream)`` / ``("fork", stream)`` / ``("join", streams)`` tuples,
+    so tests on CPU can check the sync protocol.
+    """
+
+    def __init__(self, trace: bool = False):
+        self.trace: list[tuple[Any, ...]] | None = [] if trace else None
+
+    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]:
+        if self.trace is not None:
+            if stream != MAIN_STREAM:
+                self.trace.append(("fork", stream))
+            self.trace.append(("run", stream))
+        return fn(inputs)
+
+    def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
+        if self.trace is not None:
+            self.trace.append(("join", tuple(streams)))
+
+
+class CudaStreams:
+    """CUDA: side steps run on side streams forked from, and joined to, the current stream."""
+
+    def __init__(self, device: torch.device, num_side_streams: int):
+        self.device = device
+        self.side = side_streams(device, num_side_streams)
+
+    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]:
+        if stream == MAIN_STREAM:
+            return fn(inputs)
+        side = self.side[stream - 1]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        for value in inputs:
+            # NB: the caching allocator must not reuse an input's memory for
+            # main-stream work while this side stream may still read it.
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(side)
+        with torch.cuda.stream(side):
+            return fn(inputs)
+
+    def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
+        main = torch.cuda.current_stream(self.device)
+        for stream in streams:
+            main.wait_stream(self.side[stream - 1])
+        for value in side_outputs:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(main)
+
+
+_pool_lock = threading.Lock()
+_pool: dict[int, list[torch.cuda.Stream]] = {}
+
+
+def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """``count`` side streams of a device, shared by every compiled graph."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _pool_lock:
+        streams = _pool.setdefault(index, [])
+        while len(streams) < count:
+            streams.append(torch.cuda.Stream(device=index))
+        return streams[:count]

@@ -1,0 +1,185 @@
+"""What erase_fx decided about each compiled graph, as data.
+
+A `GraphReport` is made for every graph the backend compiles. `explain`
+returns them, the dump writes them as ``report.json``, the CLI prints them,
+and the ``erase_fx`` logger sums each up in one INFO line.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from erase_fx.config import EraseConfig
+from erase_fx.passes import BlockAnalysis, stream_of_block
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockReport:
+    """An early block: its backward runs during the forward.
+
+    Attributes:
+        id: the block's index, in ready-point order.
+        params: qualified names of the parameters (graph inputs) whose
+            gradients it computes.
+        ready_after: the forward node after which it can run (its last
+            forward producer), by its name in the joint graph.
+        tangent: the output gradient its result is scaled by.
+        stream: the side stream it runs on.
+        num_nodes: how many graph nodes its backward has.
+        flops: estimated FLOPs of its backward.
+    """
+
+    id: int
+    params: tuple[str, ...]
+    ready_after: str
+    tangent: str
+    stream: int
+    num_nodes: int
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RejectedReport:
+    """A backward component that stays in the backward.
+
+    Attributes:
+        params: the parameters whose gradients it computes.
+        reason: a `RejectReason` value, e.g. ``"last_block"`` or ``"not_linear"``.
+        detail: the reason in words.
+        node: the graph node the reason is about, if any.
+        num_nodes: how many graph nodes it has.
+        flops: estimated FLOPs.
+    """
+
+    params: tuple[str, ...]
+    reason: str
+    detail: str
+    node: str | None
+    num_nodes: int
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphReport:
+    """erase_fx's decisions about one compiled graph.
+
+    Attributes:
+        graph_id: the backend's sequence number for the graph (0, 1, ...).
+        blocks: the early blocks.
+        rejected: the components left in the backward, with reasons.
+        fallback_reason: why the graph took the stock path, or None.
+        backward_flops: estimated FLOPs of the whole backward.
+        early_flops: estimated FLOPs of the backward that runs early.
+        streams: how many side streams the config allows.
+        inner: the inner compiler.
+    """
+
+    graph_id: int
+    blocks: tuple[BlockReport, ...] = ()
+    rejected: tuple[RejectedReport, ...] = ()
+    fallback_reason: str | None = None
+    backward_flops: int = 0
+    early_flops: int = 0
+    streams: int = 0
+    inner: str = ""
+
+    @property
+    def early_share(self) -> float:
+        """Fraction of backward FLOPs that run early (0 when there is no backward)."""
+        return self.early_flops / self.backward_flops if self.backward_flops else 0.0
+
+    @classmethod
+    def from_analysis(
+        cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig
+    ) -> GraphReport:
+        return cls(
+            graph_id=graph_id,
+            blocks=tuple(
+                BlockReport(
+                    id=b.id,
+                    params=b.params,
+                    ready_after=b.component.ready_after,
+                    tangent=b.tangent,
+                    stream=stream_of_block(b.id, cfg),
+                    num_nodes=b.component.num_nodes,
+                    flops=b.component.flops,
+                )
+                for b in analysis.blocks
+            ),
+            rejected=tuple(
+                RejectedReport(
+                    params=r.params,
+                    reason=r.reason.value,
+                    detail=r.detail,
+                    node=r.node,
+                    num_nodes=r.component.num_nodes,
+                    flops=r.component.flops,
+                )
+                for r in analysis.rejected
+            ),
+            backward_flops=analysis.backward_flops,
+            early_flops=analysis.early_flops,
+            streams=cfg.streams,
+            inner=cfg.inner,
+        )
+
+    def with_fallback(self, reason: str) -> GraphReport:
+        """The report of a graph that took the stock path: no early block."""
+        return dataclasses.replace(self, blocks=(), early_flops=0, fallback_reason=reason)
+
+    def summary(self) -> str:
+        """One line: what the logger prints per compiled graph."""
+        text = (
+            f"graph {self.graph_id}: {len(self.blocks)} early block(s), "
+            f"{len(self.rejected)} component(s) left in the backward, "
+            f"early share of backward FLOPs {self.early_share:.0%}"
+        )
+        if self.fallback_reason:
+            text += f"; stock path: {self.fallback_reason}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GraphReport:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown GraphReport fields: {sorted(unknown)}")
+        data = dict(data)
+        data["blocks"] = tuple(
+            BlockReport(**{**b, "params": tuple(b["params"])}) for b in data.get("blocks", ())
+        )
+        data["rejected"] = tuple(
+            RejectedReport(**{**r, "params": tuple(r["params"])}) for r in data.get("rejected", ())
+        )
+        return cls(**data)
+
+
+# Reports are published to every open `collect_reports()` of this thread.
+_sinks = threading.local()
+
+
+@contextlib.contextmanager
+def collect_reports() -> Iterator[list[GraphReport]]:
+    """Collect the reports of every graph the erase backend compiles in this block."""
+    stack = _sinks.__dict__.setdefault("stack", [])
+    reports: list[GraphReport] = []
+    stack.append(reports)
+    try:
+        yield reports
+    finally:
+        stack.remove(reports)
+
+
+def publish(report: GraphReport) -> None:
+    for reports in _sinks.__dict__.get("stack", []):
+        reports.append(report)

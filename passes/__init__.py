@@ -1,0 +1,53 @@
+"""erase_fx's graph passes, in pipeline order.
+
+Each pass is a pure function of a GraphModule and an `EraseConfig` (plus the
+data an earlier pass decided): it never mutates its input, and it checks its
+own invariants before returning (``check_*``). See README.md in this folder.
+
+On the AOT joint graph::
+
+    find_stop_gradient_blocks   analysis -> BlockAnalysis (blocks, rejected + reasons)
+    schedule_early_backward     joint -> joint with early blocks cloned into the forward
+    partition_joint_graph       joint -> (forward, backward), early grads kept in the forward
+
+On the forward module::
+
+    assign_streams              forward -> forward with streams and sync points
+    split_segments              forward -> split module + ordered per-stream segments
+"""
+from erase_fx.passes.assign_streams import assign_streams, stream_of_block
+from erase_fx.passes.find_stop_gradient_blocks import (
+    Block,
+    BlockAnalysis,
+    Component,
+    Rejected,
+    RejectReason,
+    find_stop_gradient_blocks,
+)
+from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta
+from erase_fx.passes.partition_joint_graph import partition_joint_graph, stock_partition
+from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.schedule_early_backward import schedule_early_backward
+from erase_fx.passes.split_segments import Segment, SegmentedForward, split_segments
+
+__all__ = [
+    "MAIN_STREAM",
+    "Block",
+    "BlockAnalysis",
+    "Component",
+    "NodeMeta",
+    "PassResult",
+    "RejectReason",
+    "Rejected",
+    "Role",
+    "Segment",
+    "SegmentedForward",
+    "assign_streams",
+    "find_stop_gradient_blocks",
+    "get_meta",
+    "partition_joint_graph",
+    "schedule_early_backward",
+    "split_segments",
+    "stock_partition",
+    "stream_of_block",
+]

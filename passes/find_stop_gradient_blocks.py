@@ -1,0 +1,370 @@
+"""find_stop_gradient_blocks: which parts of the backward can run early.
+
+What: a dataflow analysis of AOTAutograd's joint forward-backward graph. It
+splits the backward into independent pieces and decides, for each, whether it
+can be computed during the forward (an *early block*) or must stay in the
+backward (a *rejected component*, with the reason).
+
+Why dataflow and not ``detach`` nodes: autograd inserts ``detach`` for its
+own saved outputs, and Inductor's decompositions turn a user's ``detach`` into
+``alias`` and then remove it. A stop-gradient shows up instead as a *cut* in
+the backward: the backward of a detached block shares no node with the
+backward of what follows it.
+
+How:
+  1. backward region = the nodes that transitively read a tangent;
+  2. seed nodes = backward nodes reading only tangents (``expand(T)``, ``T / n``);
+  3. the other backward nodes fall into connected components (networkx); each
+     is an independent backward piece;
+  4. a piece's *ready point* is its last forward producer: the last node that
+     the forward outputs need and that the piece reads, directly or through
+     tangent-free helpers (autograd puts nodes such as ``t(t_2)`` in the
+     backward region although they read only forward values);
+  5. a piece is an early block if it produces parameter gradients, reads the
+     gradient of exactly one 0-dim output (the loss), its ready point comes
+     before the latest ready point, and every op on its path from the tangent
+     is known to be linear in it (`linearity_violation`) and mutates nothing.
+
+Invariants out (`check_block_analysis`): blocks are disjoint, each has one
+0-dim tangent and a ready point that is a forward node; ids follow ready-point
+order. The pass does not change the graph.
+
+Before (excerpt of a joint graph, block 1 detached from block 2)::
+
+    relu = relu(addmm);  local = mse_loss(addmm_1, y);  detach = detach(relu)
+    ... block 2 forward ...; add = add(local, loss_2)
+    expand = expand(tangents_1, ...)        # seed
+    mse_loss_backward(expand, addmm_1, y)   # block 1 backward: component A
+    ...                                     # block 2 backward: component B
+
+After: ``BlockAnalysis(blocks=(Block(id=0, ready_after="addmm_1", ...),),
+rejected=(Rejected(component B, reason=LAST_BLOCK),))``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.flops import node_flops
+from erase_fx.passes.graph import is_primal, is_tangent, output_values, topo_positions
+from erase_fx.passes.linearity import linearity_violation
+
+PASS_NAME = "find_stop_gradient_blocks"
+
+
+class RejectReason(str, enum.Enum):
+    """Why a backward component stays in the backward."""
+
+    NO_PARAMETER_GRAD = "no_parameter_grad"
+    LAST_BLOCK = "last_block"
+    SEVERAL_TANGENTS = "several_tangents"
+    NOT_SCALAR_TANGENT = "not_scalar_tangent"
+    MUTATION = "mutation"
+    NOT_LINEAR = "not_linear"
+
+    @property
+    def is_unsupported(self) -> bool:
+        """A block that could run early but that erase_fx cannot prove safe."""
+        return self in (RejectReason.MUTATION, RejectReason.NOT_LINEAR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One independent piece of the backward, by node names of the joint graph.
+
+    Attributes:
+        nodes: the piece's backward nodes, in graph order.
+        seeds: tangent-only nodes it reads (``expand(tangents_1)``...).
+        helpers: tangent-free nodes only the backward reads, which it needs.
+        tangents: the tangents it depends on.
+        ready_after: its last forward producer (the node it can start after).
+        grad_outputs: (primal index, node name) of each gradient it produces.
+        flops: estimated FLOPs of its nodes.
+    """
+
+    nodes: tuple[str, ...]
+    seeds: tuple[str, ...]
+    helpers: tuple[str, ...]
+    tangents: tuple[str, ...]
+    ready_after: str
+    grad_outputs: tuple[tuple[int, str], ...]
+    flops: int
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes) + len(self.seeds) + len(self.helpers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A component that runs early."""
+
+    id: int
+    component: Component
+    tangent: str
+    params: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A component that stays in the backward, and why."""
+
+    component: Component
+    reason: RejectReason
+    detail: str
+    node: str | None
+    params: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockAnalysis:
+    """The decisions about one joint graph.
+
+    Attributes:
+        blocks: the early blocks, in ready-point order.
+        rejected: the components that stay in the backward, with reasons.
+        backward_flops: estimated FLOPs of the whole backward.
+        num_fwd_outputs: how many joint-graph outputs are forward outputs
+            (gradient ``i`` of primal ``i`` is output ``num_fwd_outputs + i``).
+    """
+
+    blocks: tuple[Block, ...]
+    rejected: tuple[Rejected, ...]
+    backward_flops: int
+    num_fwd_outputs: int
+
+    @property
+    def early_flops(self) -> int:
+        return sum(b.component.flops for b in self.blocks)
+
+
+def find_stop_gradient_blocks(
+    gm: fx.GraphModule,
+    cfg: EraseConfig,
+    *,
+    num_fwd_outputs: int,
+    primal_names: Sequence[str] = (),
+) -> BlockAnalysis:
+    """Analyse a joint graph; see the module docstring.
+
+    Args:
+        gm: AOTAutograd's joint graph (``primals_*``, ``tangents_*`` inputs;
+            forward outputs then one gradient per primal).
+        cfg: the compilation's settings (unused by the analysis today; kept so
+            every pass has the same contract).
+        num_fwd_outputs: how many of the outputs are forward outputs.
+        primal_names: a name per primal (e.g. a parameter's qualified name),
+            used in the report; ``primals_<i>`` where missing.
+    """
+    del cfg
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    position = topo_positions(graph)
+    dataflow = nx.DiGraph()
+    dataflow.add_nodes_from(nodes)
+    dataflow.add_edges_from((arg, node) for node in nodes for arg in node.all_input_nodes)
+
+    outputs = output_values(graph)
+    tangents = [n for n in nodes if is_tangent(n) and n.users]
+    backward: set[fx.Node] = set(tangents)
+    for tangent in tangents:
+        backward |= nx.descendants(dataflow, tangent)
+    backward = {n for n in backward if n.op != "output"}
+
+    seeds: set[fx.Node] = set()
+    for node in nodes:
+        if node in backward and node.op == "call_function" and all(
+            a in seeds or is_tangent(a) for a in node.all_input_nodes
+        ):
+            seeds.add(node)
+
+    forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    required_forward = _ancestors_of(dataflow, forward_outputs) | set(forward_outputs)
+    required_forward |= {n for n in nodes if n.op == "placeholder" and not is_tangent(n)}
+
+    core = [n for n in nodes if n in backward and n not in seeds and not is_tangent(n)]
+    grad_index = {
+        out: i for i, out in enumerate(outputs[num_fwd_outputs:]) if isinstance(out, fx.Node)
+    }
+    primal_label = _primal_labels(graph, primal_names)
+    # Tangent-free nodes that no forward output needs: the helpers autograd
+    # leaves in the backward region.
+    helper_pool = dataflow.subgraph(
+        n for n in nodes if n not in backward and n not in required_forward
+    )
+
+    components = []
+    undirected = dataflow.subgraph(core).to_undirected(as_view=True)
+    for members in nx.connected_components(undirected):
+        components.append(
+            _describe(members, seeds, helper_pool, required_forward, grad_index, position)
+        )
+    by_name = {n.name: n for n in nodes}
+
+    def ready_position(comp: Component) -> int:
+        return position[by_name[comp.ready_after]]
+
+    # NB: deterministic order please: by ready point, then by first node.
+    components.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
+    with_grads = [c for c in components if c.grad_outputs]
+    latest = max((ready_position(c) for c in with_grads), default=-1)
+    blocks: list[Block] = []
+    rejected: list[Rejected] = []
+    for comp in components:
+        params = tuple(primal_label[i] for i, _ in sorted(comp.grad_outputs))
+        reason, detail, node = _reject_reason(comp, by_name, latest, position)
+        if reason is None:
+            blocks.append(Block(len(blocks), comp, comp.tangents[0], params))
+        else:
+            rejected.append(Rejected(comp, reason, detail, node, params))
+
+    analysis = BlockAnalysis(
+        blocks=tuple(blocks),
+        rejected=tuple(rejected),
+        backward_flops=sum(node_flops(n) for n in backward),
+        num_fwd_outputs=num_fwd_outputs,
+    )
+    check_block_analysis(gm, analysis)
+    return analysis
+
+
+def _ancestors_of(dataflow: nx.DiGraph, targets: Sequence[fx.Node]) -> set[fx.Node]:
+    # NB: one reverse traversal from all targets, not one per target.
+    sink = object()
+    dataflow.add_node(sink)
+    dataflow.add_edges_from((t, sink) for t in targets)
+    try:
+        return nx.ancestors(dataflow, sink)
+    finally:
+        dataflow.remove_node(sink)
+
+
+def _describe(
+    members: set[fx.Node],
+    seeds: set[fx.Node],
+    helper_pool: nx.DiGraph,
+    required_forward: set[fx.Node],
+    grad_index: dict[fx.Node, int],
+    position: dict[fx.Node, int],
+) -> Component:
+    used_seeds: set[fx.Node] = set()
+    stack = [a for m in members for a in m.all_input_nodes if a in seeds]
+    while stack:
+        seed = stack.pop()
+        if seed not in used_seeds:
+            used_seeds.add(seed)
+            stack.extend(a for a in seed.all_input_nodes if a in seeds)
+
+    direct = {a for m in members for a in m.all_input_nodes}
+    helpers: set[fx.Node] = set()
+    for arg in direct:
+        if arg in helper_pool:
+            helpers.add(arg)
+            helpers |= nx.ancestors(helper_pool, arg)
+    frontier = {a for n in members | helpers for a in n.all_input_nodes if a in required_forward}
+
+    tangents: set[fx.Node] = set()
+    for node in members | used_seeds:
+        tangents |= {a for a in node.all_input_nodes if is_tangent(a)}
+
+    ready = max(frontier, key=position.__getitem__) if frontier else None
+    if ready is None:  # reads no forward value: ready once the inputs are
+        ready = max(
+            (n for n in position if n.op == "placeholder" and not is_tangent(n)),
+            key=position.__getitem__,
+        )
+    by_position = position.__getitem__
+    return Component(
+        nodes=tuple(n.name for n in sorted(members, key=by_position)),
+        seeds=tuple(n.name for n in sorted(used_seeds, key=by_position)),
+        helpers=tuple(n.name for n in sorted(helpers, key=by_position)),
+        tangents=tuple(n.name for n in sorted(tangents, key=by_position)),
+        ready_after=ready.name,
+        grad_outputs=tuple(
+            (grad_index[n], n.name) for n in sorted(members, key=by_position) if n in grad_index
+        ),
+        flops=sum(node_flops(n) for n in members | used_seeds | helpers),
+    )
+
+
+def _reject_reason(
+    comp: Component,
+    by_name: dict[str, fx.Node],
+    latest: int,
+    position: dict[fx.Node, int],
+) -> tuple[RejectReason | None, str, str | None]:
+    if not comp.grad_outputs:
+        return RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input", None
+    if position[by_name[comp.ready_after]] >= latest:
+        return (
+            RejectReason.LAST_BLOCK,
+            "its backward is ready only when the forward ends: nothing later to overlap",
+            comp.ready_after,
+        )
+    if len(comp.tangents) != 1:
+        return (
+            RejectReason.SEVERAL_TANGENTS,
+            f"reads the gradients of {len(comp.tangents)} outputs ({', '.join(comp.tangents)})",
+            None,
+        )
+    tangent = by_name[comp.tangents[0]]
+    value = tangent.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        return (
+            RejectReason.NOT_SCALAR_TANGENT,
+            f"reads the gradient of a non-scalar output ({tangent.name})",
+            tangent.name,
+        )
+    dependent = {tangent} | {by_name[n] for n in comp.seeds + comp.nodes}
+    for name in comp.seeds + comp.nodes + comp.helpers:
+        node = by_name[name]
+        if _mutates(node):
+            return RejectReason.MUTATION, f"{node.target} mutates its input", name
+    for name in comp.seeds + comp.nodes:
+        why = linearity_violation(by_name[name], dependent)
+        if why is not None:
+            return RejectReason.NOT_LINEAR, why, name
+    return None, "", None
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.meta.get("partitioner_tag") == "must_be_in_backward":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _primal_labels(graph: fx.Graph, primal_names: Sequence[str]) -> list[str]:
+    labels = []
+    for i, node in enumerate(n for n in graph.nodes if is_primal(n)):
+        labels.append(primal_names[i] if i < len(primal_names) else node.name)
+    return labels
+
+
+def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
+    """Invariants of the analysis; raises GraphInvariantError on a violation."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seen: set[str] = set()
+    for expected_id, block in enumerate(analysis.blocks):
+        comp = block.component
+        if block.id != expected_id:
+            raise GraphInvariantError(PASS_NAME, f"block ids out of order at {block.id}")
+        overlap = seen & set(comp.nodes)
+        if overlap:
+            raise GraphInvariantError(PASS_NAME, "blocks share nodes", node=sorted(overlap)[0])
+        seen |= set(comp.nodes)
+        tangent = by_name[block.tangent]
+        if comp.tangents != (block.tangent,) or tangent.meta["val"].dim() != 0:
+            raise GraphInvariantError(PASS_NAME, "a block must read one 0-dim tangent",
+                                      node=block.tangent)
+        ready = by_name[comp.ready_after]
+        if is_tangent(ready) or ready.name in seen:
+            raise GraphInvariantError(PASS_NAME, "ready point is not a forward node",
+                                      node=ready.name)

@@ -1,0 +1,112 @@
+"""Small predicates and builders over FX graphs, shared by the passes.
+
+Names follow torch's partitioners: ``is_primal`` / ``is_tangent`` look at the
+placeholder names AOTAutograd gives the joint graph (``primals_*`` then
+``tangents_*``), which are stable across torch 2.11-2.15.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+
+
+def is_primal(node: fx.Node) -> bool:
+    return node.op == "placeholder" and str(node.target).startswith("primals")
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    return graph.find_nodes(op="output")[0]
+
+
+def output_values(graph: fx.Graph) -> list[Any]:
+    """The flat list a graph returns (AOT graphs return a tuple)."""
+    out = output_node(graph).args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def primals(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.find_nodes(op="placeholder") if is_primal(n)]
+
+
+def val_of(node: Any) -> Any:
+    """The example value of a node (a fake tensor or SymInt), or the constant itself."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def fake_mode_of(graph: fx.Graph):
+    """The FakeTensorMode the graph's example values live in, or None."""
+    return detect_fake_mode([val_of(n) for n in graph.find_nodes(op="placeholder")])
+
+
+def clone_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A new GraphModule with a fresh copy of the graph (meta copied shallowly).
+
+    Structural passes never mutate their input: they clone, then edit the clone.
+    Returns the clone and the map from old nodes to new ones.
+    """
+    graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
+    node_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, node_map, return_output_node=True)
+    # NB: graph_copy returns the output *value*; re-emit the output node with its meta.
+    old_out = output_node(gm.graph)
+    new_out = graph.output(out[0] if isinstance(out, tuple) else out)
+    new_out.meta = dict(old_out.meta)
+    node_map[old_out] = new_out
+    graph._codegen = gm.graph._codegen
+    new_gm = fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    new_gm.meta = dict(getattr(gm, "meta", {}))
+    return new_gm, node_map
+
+
+def rebuild_in_order(gm: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:
+    """A new GraphModule whose nodes are ``order`` (a topological order of gm's nodes)."""
+    graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in order:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph._codegen = gm.graph._codegen
+    new_gm = fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    new_gm.meta = dict(getattr(gm, "meta", {}))
+    return new_gm
+
+
+def call_with_val(
+    graph: fx.Graph,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    fake_mode=None,
+) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insert point, with meta["val"].
+
+    The value is computed by running the op on the inputs' example values
+    inside the graph's fake mode, so shapes (symbolic ones too) stay right.
+    """
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    vargs, vkwargs = fx.node.map_arg((args, kwargs), val_of)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = target(*vargs, **vkwargs)
+    else:
+        node.meta["val"] = target(*vargs, **vkwargs)
+    return node
+
+
+def topo_positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def names(nodes: Iterable[fx.Node]) -> tuple[str, ...]:
+    return tuple(n.name for n in nodes)

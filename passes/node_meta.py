@@ -1,0 +1,77 @@
+"""The one place that reads and writes ``node.meta["erase_fx"]``.
+
+Every node a pass creates or classifies carries a frozen `NodeMeta`: its role,
+the early block it belongs to, the stream it runs on, and the inputs it must
+wait for because another stream produced them. Nodes without the key are
+stock nodes that erase_fx has not touched. FX copies ``node.meta`` shallowly
+in ``node_copy`` (and so do the stock partitioners), which is safe because the
+value is immutable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch.fx as fx
+
+META_KEY = "erase_fx"
+
+#: The stream every forward node runs on; side streams are 1..streams.
+MAIN_STREAM = 0
+
+
+class Role(str, enum.Enum):
+    FORWARD = "forward"
+    #: A node of an early block's backward, cloned into the forward.
+    EARLY_BACKWARD = "early_backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeMeta:
+    """What erase_fx decided about one node.
+
+    Attributes:
+        role: forward node, or part of an early block's backward.
+        block: the early block's id (``None`` for forward nodes).
+        grad_of: for the node that computes an early gradient, the index of
+            the primal (joint-graph input) it is the gradient of.
+        stream: the stream the node runs on, set by ``assign_streams``.
+        waits_for: names of the node's inputs produced on another stream: a
+            sync point the emitted program must honour before this node runs.
+    """
+
+    role: Role
+    block: int | None = None
+    grad_of: int | None = None
+    stream: int | None = None
+    waits_for: tuple[str, ...] = ()
+
+
+def get_meta(node: fx.Node) -> NodeMeta | None:
+    return node.meta.get(META_KEY)
+
+
+def set_meta(node: fx.Node, meta: NodeMeta) -> None:
+    node.meta[META_KEY] = meta
+
+
+def update_meta(node: fx.Node, **changes) -> NodeMeta:
+    """Replace some fields of the node's meta (a FORWARD meta if it had none)."""
+    meta = dataclasses.replace(get_meta(node) or NodeMeta(Role.FORWARD), **changes)
+    node.meta[META_KEY] = meta
+    return meta
+
+
+def is_early(node: fx.Node) -> bool:
+    meta = get_meta(node)
+    return meta is not None and meta.role is Role.EARLY_BACKWARD
+
+
+def block_of(node: fx.Node) -> int | None:
+    meta = get_meta(node)
+    return meta.block if meta is not None else None
+
+
+def stream_of(node: fx.Node) -> int | None:
+    meta = get_meta(node)
+    return meta.stream if meta is not None else None

@@ -1,0 +1,106 @@
+"""partition_joint_graph: the stock partitioner, with early gradients kept in the forward.
+
+What: splits the rewritten joint graph into forward and backward modules with
+torch's own partitioner (``min_cut_rematerialization_partition`` or
+``default_partition``, per ``cfg.partitioner``).
+
+Why a wrapper: the early gradients are read only by the backward
+(``mul(early_grad, T)``), so a partitioner is free to recompute them there,
+undoing the schedule (min-cut does, when it finds that cheaper to save).
+Exposing them as temporary extra forward outputs forces them into the
+forward; they are then saved tensors of the forward, and the extra outputs are
+stripped from the forward module again.
+
+Invariants out: the forward module returns the original forward outputs
+first, then the saved values; every early gradient node is computed in the
+forward; the backward module's inputs are saved values then tangents, as
+AOTAutograd expects.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch._functorch.partitioners import (
+    default_partition,
+    min_cut_rematerialization_partition,
+)
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.graph import clone_module, output_node
+from erase_fx.passes.flops import node_flops
+from erase_fx.passes.node_meta import Role, get_meta
+
+PASS_NAME = "partition_joint_graph"
+
+STOCK_PARTITIONERS = {
+    "min_cut": min_cut_rematerialization_partition,
+    "default": default_partition,
+}
+
+
+def stock_partition(
+    gm: fx.GraphModule, joint_inputs: Any, cfg: EraseConfig, *, num_fwd_outputs: int, **kwargs: Any
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The partitioner erase_fx uses for the stock path (no early block)."""
+    return STOCK_PARTITIONERS[cfg.partitioner](
+        gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
+
+
+def partition_joint_graph(
+    gm: fx.GraphModule, joint_inputs: Any, cfg: EraseConfig, *, num_fwd_outputs: int, **kwargs: Any
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward modules with every early gradient in the forward."""
+    joint, _ = clone_module(gm)
+    out = output_node(joint.graph)
+    outputs = list(out.args[0])
+    early_grads = [n for n in joint.graph.nodes if (m := get_meta(n)) and m.grad_of is not None]
+    k = len(early_grads)
+    out.args = (tuple(outputs[:num_fwd_outputs] + early_grads + outputs[num_fwd_outputs:]),)
+    descs = out.meta.get("desc")
+    if descs is not None:
+        out.meta["desc"] = list(descs[:num_fwd_outputs]) + _saved_descs(k) + list(
+            descs[num_fwd_outputs:]
+        )
+    joint.recompile()
+
+    fw, bw = stock_partition(joint, joint_inputs, cfg, num_fwd_outputs=num_fwd_outputs + k,
+                             **kwargs)
+
+    fw_out = output_node(fw.graph)
+    fw_outputs = list(fw_out.args[0])
+    fw_out.args = (tuple(fw_outputs[:num_fwd_outputs] + fw_outputs[num_fwd_outputs + k:]),)
+    fw_descs = fw_out.meta.get("desc")
+    if fw_descs is not None:
+        fw_out.meta["desc"] = list(fw_descs[:num_fwd_outputs]) + list(
+            fw_descs[num_fwd_outputs + k:]
+        )
+    fw.graph.eliminate_dead_code()
+    fw.graph.lint()
+    fw.recompile()
+    check_partition(bw)
+    return fw, bw
+
+
+def _saved_descs(k: int) -> list[Any]:
+    # NB: AOT zips output descs with outputs and silently truncates on a length
+    # mismatch, so the temporary outputs get descriptors of their own.
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    return [SavedForBackwardsAOTOutput(1_000_000 + j) for j in range(k)]
+
+
+def check_partition(bw: fx.GraphModule) -> None:
+    """No early-backward work that costs FLOPs was moved back into the backward.
+
+    NB: the partitioner may still recompute a cheap view of an early gradient
+    (``t(mm)``) in the backward from the saved ``mm``; that is free.
+    """
+    for node in bw.graph.nodes:
+        meta = get_meta(node)
+        if meta is not None and meta.role is Role.EARLY_BACKWARD and node_flops(node) > 0:
+            raise GraphInvariantError(
+                PASS_NAME, "early-backward matrix work was moved into the backward", node=node.name
+            )

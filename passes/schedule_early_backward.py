@@ -1,0 +1,171 @@
+"""schedule_early_backward: move each early block's backward into the forward.
+
+What: rewrites the joint graph so that each early block's backward is cloned
+right after the block's ready point, with its loss tangent ``T`` replaced by
+the constant seed ``s`` (``cfg.seed``, 1 by default), and so that the
+gradients it produces leave the backward as ``T / s * early_grad``.
+
+Why it is exact: the backward is linear in the tangent (checked op by op by
+find_stop_gradient_blocks), so the gradient computed with seed ``s`` times
+``T / s`` equals the gradient computed with ``T``. Nothing is written to
+``.grad`` before ``.backward()`` runs: the early gradients are saved tensors
+of the forward, scaled and returned by the backward. Forward without
+backward, several forwards before one backward, ``no_grad`` and DDP hooks
+keep eager semantics.
+
+Invariants in: a joint graph and the `BlockAnalysis` of that same graph.
+Invariants out (`check_early_schedule`): a new GraphModule (the input is not
+touched) with the same inputs and the same number of outputs; every early
+node reads no tangent, directly or not; every early gradient output is
+``mul(early_grad, scale)`` where ``scale`` reads the block's tangent; each
+early node is tagged ``NodeMeta(EARLY_BACKWARD, block)`` and, for the
+gradient it produces, ``grad_of``.
+
+Before::
+
+    addmm_1 = addmm(...)                          # block 0's ready point
+    ...rest of the forward...
+    expand = expand(tangents_1, [4, 4])
+    mse_loss_backward = mse_loss_backward(expand, addmm_1, y)
+    mm_1 = mm(t_1, mse_loss_backward) ...
+    return (add, mm_1, ...)
+
+After::
+
+    addmm_1 = addmm(...)
+    full = full([], 1.0)                          # block 0, seed
+    expand_1 = expand(full, [4, 4])               # block 0
+    mse_loss_backward_1 = mse_loss_backward(expand_1, addmm_1, y)
+    mm_2 = mm(t_2, mse_loss_backward_1)           # block 0, grad_of=0
+    ...rest of the forward...
+    mul = mul(mm_2, tangents_1)
+    return (add, mul, ...)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.find_stop_gradient_blocks import BlockAnalysis
+from erase_fx.passes.graph import (
+    aten,
+    call_with_val,
+    clone_module,
+    fake_mode_of,
+    is_tangent,
+    output_node,
+    val_of,
+)
+from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, set_meta
+from erase_fx.passes.pass_result import PassResult
+
+PASS_NAME = "schedule_early_backward"
+
+
+def schedule_early_backward(
+    gm: fx.GraphModule, cfg: EraseConfig, analysis: BlockAnalysis
+) -> PassResult:
+    """Clone each early block's backward after its ready point; see the module docstring."""
+    if not analysis.blocks:
+        return PassResult(gm, modified=False)
+    new_gm, node_map = clone_module(gm)
+    graph = new_gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    fake_mode = fake_mode_of(graph)
+    out = output_node(graph)
+    outputs = list(out.args[0])
+    num_fwd_outputs = analysis.num_fwd_outputs
+
+    for block in analysis.blocks:
+        comp = block.component
+        tangent = by_name[block.tangent]
+        tangent_val = val_of(tangent)
+        to_clone = set(comp.seeds) | set(comp.helpers) | set(comp.nodes)
+        ordered = [n for n in graph.nodes if n.name in to_clone]  # graph order is topological
+        early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id)
+
+        with graph.inserting_after(by_name[comp.ready_after]):
+            seed = call_with_val(
+                graph,
+                aten.full.default,
+                ([], float(cfg.seed)),
+                {"dtype": tangent_val.dtype, "layout": torch.strided,
+                 "device": tangent_val.device, "pin_memory": False},
+                fake_mode=fake_mode,
+            )
+        _tag_forward(seed, early_meta)
+
+        env: dict[fx.Node, fx.Node] = {tangent: seed}
+        last = seed
+        for node in ordered:
+            with graph.inserting_after(last):
+                clone = graph.node_copy(node, lambda a: env.get(a, a))
+            _tag_forward(clone, early_meta)
+            env[node] = clone
+            last = clone
+
+        with graph.inserting_before(out):
+            for primal_index, grad_name in comp.grad_outputs:
+                early_grad = env[by_name[grad_name]]
+                set_meta(early_grad, dataclasses.replace(early_meta, grad_of=primal_index))
+                scale = _loss_grad_scale(graph, tangent, val_of(early_grad).dtype, cfg.seed,
+                                         fake_mode)
+                outputs[num_fwd_outputs + primal_index] = call_with_val(
+                    graph, aten.mul.Tensor, (early_grad, scale), fake_mode=fake_mode
+                )
+
+    out.args = (tuple(outputs),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    new_gm.recompile()
+    check_early_schedule(new_gm, analysis)
+    return PassResult(new_gm, modified=True)
+
+
+def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:
+    set_meta(node, meta)
+    # NB: the stock partitioners keep nodes tagged is_forward in the forward graph.
+    node.meta["partitioner_tag"] = "is_forward"
+
+
+def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
+    """``T / seed`` in the gradient's dtype (one node per use; CSE merges duplicates)."""
+    scale = tangent
+    if val_of(tangent).dtype != dtype:
+        scale = call_with_val(graph, aten._to_copy.default, (scale,), {"dtype": dtype},
+                              fake_mode=fake_mode)
+    if seed != 1.0:
+        scale = call_with_val(graph, aten.div.Tensor, (scale, float(seed)), fake_mode=fake_mode)
+    return scale
+
+
+def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
+    """Invariants of the rewritten joint graph; raises GraphInvariantError."""
+    reads_tangent: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if is_tangent(node) or any(a in reads_tangent for a in node.all_input_nodes):
+            reads_tangent.add(node)
+        meta = get_meta(node)
+        if meta is not None and meta.role is Role.EARLY_BACKWARD and node in reads_tangent:
+            raise GraphInvariantError(PASS_NAME, "an early node reads a tangent", node=node.name)
+    expected = {(b.id, i) for b in analysis.blocks for i, _ in b.component.grad_outputs}
+    grads = list(output_node(gm.graph).args[0])[analysis.num_fwd_outputs:]
+    found = set()
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, fx.Node) or grad.target is not aten.mul.Tensor:
+            continue
+        early, scale = grad.args
+        meta = get_meta(early) if isinstance(early, fx.Node) else None
+        if meta is None or meta.grad_of != index:
+            continue
+        if scale not in reads_tangent:
+            raise GraphInvariantError(PASS_NAME, "early gradient scaled by a constant",
+                                      node=grad.name)
+        found.add((meta.block, index))
+    if found != expected:
+        missing = sorted(expected - found)
+        raise GraphInvariantError(PASS_NAME, f"early gradients not returned as T*grad: {missing}")

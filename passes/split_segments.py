@@ -1,0 +1,209 @@
+"""split_segments: the forward module as an ordered list of per-stream segments.
+
+What: groups the stream-annotated forward graph into segments, each a run of
+nodes on one stream that the emitter compiles as one unit, and returns the
+split module (torch's ``split_module``) whose top-level graph calls the
+segments in launch order, plus a `Segment` record for each.
+
+Order: main-stream nodes keep their order; each block's nodes form one
+segment, launched right after the main segment that ends with the block's
+launch point (the last main node it reads). So the main stream is cut only
+where a block becomes ready::
+
+    seg_0_stream_0            forward up to block 0's ready point
+    seg_1_block_0_stream_1    block 0's early backward   (side stream 1)
+    seg_2_stream_0            forward up to block 1's ready point
+    seg_3_block_1_stream_2    block 1's early backward   (side stream 2)
+    seg_4_stream_0            rest of the forward
+    output                    join: the main stream waits for every side stream
+
+Why a stable reorder first: the stock partitioner's CSE or min-cut may leave
+a block's nodes interleaved with forward nodes; moving them next to their
+launch point keeps one segment per block (fewer compiled calls) and is legal
+because a block reads nothing of the main stream after its launch point
+(assign_streams guarantees the main stream never reads a block).
+
+Invariants out (`check_segments`): a new split module, computing the same
+outputs as the input; segments in topological order; every segment runs on
+one stream and returns a tuple; a segment's ``waits_for`` names exactly the
+earlier segments on other streams whose outputs it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.graph import rebuild_in_order
+from erase_fx.passes.node_meta import MAIN_STREAM, get_meta
+from erase_fx.passes.pass_result import PassResult
+
+PASS_NAME = "split_segments"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One compiled unit of the forward.
+
+    Attributes:
+        name: the submodule's name in the split module (``seg_<k>_...``).
+        stream: the stream it runs on (0 = main).
+        block: the early block it runs, or None for forward segments.
+        nodes: names of the forward-graph nodes it computes.
+        waits_for: names of earlier segments on other streams whose outputs it reads.
+    """
+
+    name: str
+    stream: int
+    block: int | None
+    nodes: tuple[str, ...]
+    waits_for: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentedForward(PassResult):
+    segments: tuple[Segment, ...] = ()
+
+    def segment(self, name: str) -> Segment:
+        return next(s for s in self.segments if s.name == name)
+
+
+def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
+    """Split a stream-annotated forward module; see the module docstring."""
+    del cfg
+    ordered = _launch_order(gm)
+    reordered = rebuild_in_order(gm, ordered)
+
+    key_of: dict[str, str] = {}
+    segment_of_key: dict[str, tuple[int, int | None]] = {}
+    index = -1
+    previous = None
+    for node in reordered.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        meta = get_meta(node)
+        group = (meta.stream, meta.block if meta.stream != MAIN_STREAM else None)
+        if group != previous:
+            index += 1
+            previous = group
+        key = str(index)
+        key_of[node.name] = key
+        segment_of_key[key] = group
+
+    split = split_module(
+        reordered, None, lambda node: key_of[node.name], keep_original_order=True
+    )
+    segments = _name_and_box_segments(split, segment_of_key)
+    split.graph.lint()
+    split.recompile()
+    result = SegmentedForward(split, modified=True, segments=segments)
+    check_segments(result)
+    return result
+
+
+def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
+    """Main nodes in order; each block's nodes right after its launch point."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    block_nodes: dict[int, list[fx.Node]] = {}
+    launch_after: dict[int, int] = {}
+    for node in nodes:
+        meta = get_meta(node)
+        if node.op == "output" or meta.stream == MAIN_STREAM:
+            continue
+        block_nodes.setdefault(meta.block, []).append(node)
+        # NB: a block that reads only graph inputs launches before any forward node.
+        main_inputs = [a for a in node.all_input_nodes
+                       if a.op != "placeholder" and get_meta(a).stream == MAIN_STREAM]
+        launch = max((position[a] for a in main_inputs), default=-1)
+        launch_after[meta.block] = max(launch_after.get(meta.block, -1), launch)
+
+    launches: dict[int, list[int]] = {}
+    for block in sorted(block_nodes):
+        launches.setdefault(launch_after[block], []).append(block)
+    ordered = [n for n in nodes if n.op == "placeholder"]
+    for block in launches.get(-1, []):
+        ordered.extend(block_nodes[block])
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        meta = get_meta(node)
+        if node.op != "output" and meta.stream != MAIN_STREAM:
+            continue
+        ordered.append(node)
+        for block in launches.get(position[node], []):
+            ordered.extend(block_nodes[block])
+    return ordered
+
+
+def _name_and_box_segments(
+    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None]]
+) -> tuple[Segment, ...]:
+    """Give segments greppable names and make each return a tuple."""
+    graph = split.graph
+    producer: dict[fx.Node, str] = {}
+    segments: list[Segment] = []
+    for k, call in enumerate([n for n in graph.nodes if n.op == "call_module"]):
+        key = str(call.target).removeprefix("submod_")
+        stream, block = segment_of_key[key]
+        name = f"seg_{k}_stream_{stream}" if block is None else f"seg_{k}_block_{block}_stream_{stream}"
+        sub = getattr(split, call.target)
+        delattr(split, call.target)
+        setattr(split, name, sub)
+        call.target = name
+        _box_outputs(graph, call, sub)
+        waits = sorted(
+            {producer[a] for a in _segment_inputs(call) if a in producer
+             and _stream_of_segment(segments, producer[a]) != stream}
+        )
+        for user in call.users:
+            producer[user] = name
+        segments.append(Segment(
+            name=name,
+            stream=stream,
+            block=block,
+            nodes=tuple(n.name for n in sub.graph.nodes if n.op not in ("placeholder", "output")),
+            waits_for=tuple(waits),
+        ))
+    return tuple(segments)
+
+
+def _segment_inputs(call: fx.Node) -> list[fx.Node]:
+    return list(call.all_input_nodes)
+
+
+def _stream_of_segment(segments: list[Segment], name: str) -> int:
+    return next(s.stream for s in segments if s.name == name)
+
+
+def _box_outputs(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
+    """A segment that returns one value returns a 1-tuple, read through getitem."""
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    if isinstance(out.args[0], (tuple, list)):
+        return
+    out.args = ((out.args[0],),)
+    sub.recompile()
+    users = list(call.users)
+    with graph.inserting_after(call):
+        item = graph.call_function(operator.getitem, (call, 0))
+    item.meta = dict(call.meta)
+    for user in users:
+        user.replace_input_with(call, item)
+
+
+def check_segments(result: SegmentedForward) -> None:
+    split = result.gm
+    seen: set[str] = set()
+    for call in [n for n in split.graph.nodes if n.op == "call_module"]:
+        seg = result.segment(call.target)
+        streams = {get_meta(n).stream for n in getattr(split, call.target).graph.nodes
+                   if n.op not in ("placeholder", "output") and get_meta(n) is not None}
+        if streams - {seg.stream}:
+            raise GraphInvariantError(PASS_NAME, "a segment mixes streams", node=seg.name)
+        if not set(seg.waits_for) <= seen:
+            raise GraphInvariantError(PASS_NAME, "a segment waits for a later one", node=seg.name)
+        seen.add(seg.name)
