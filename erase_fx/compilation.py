@@ -113,7 +113,7 @@ class GraphCompilation:
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
         )
         self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg)
-        self._raise_if_unsupported(analysis)
+        self._handle_unsupported(analysis)
         if not analysis.blocks:
             self.report = self.report.with_fallback("no early block")
             return stock_partition(joint, joint_inputs, self.cfg,
@@ -143,12 +143,19 @@ class GraphCompilation:
 
     # -- helpers --------------------------------------------------------------
 
-    def _raise_if_unsupported(self, analysis: BlockAnalysis) -> None:
-        if self.cfg.on_error != "raise":
-            return
+    def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
+        """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
         for rejected in analysis.rejected:
-            if rejected.reason.is_unsupported:
-                raise UnsupportedBlockError(
+            if not rejected.reason.is_unsupported:
+                continue
+            if self.cfg.on_error != "raise":
+                log.warning(
+                    "erase_fx graph %d: the block with parameters %s stays in the backward: "
+                    "%s (node %s)", self.graph_id, list(rejected.params), rejected.detail,
+                    rejected.node,
+                )
+                continue
+            raise UnsupportedBlockError(
                     "find_stop_gradient_blocks",
                     f"the backward of the block with parameters {list(rejected.params)} cannot "
                     f"run early: {rejected.detail}",

@@ -1,0 +1,285 @@
+"""The ``erase-fx`` command (also ``python -m erase_fx``).
+
+Subcommands:
+
+- ``erase-fx demo [flags]``: the showcase, `erase_fx.demo` (its flags are
+  forwarded; ``erase-fx demo --help`` lists them).
+- ``erase-fx explain module:factory [--json] [--options JSON]``: what the
+  erase backend would do with a model, without training it. ``factory()``
+  must return ``(model, example_inputs)``, ``example_inputs`` a tuple, or
+  ``(model, args, kwargs)``. Prints one table per compiled graph (the early
+  blocks, the components left in the backward with the reason, the share of
+  backward FLOPs that runs early), or with ``--json`` the list of
+  ``GraphReport.to_dict()``. ``--options`` takes `EraseConfig` fields as a
+  JSON object, e.g. ``'{"streams": 2}'``. Example::
+
+      erase-fx explain erase_fx.demo:ff_factory
+
+Exit codes: 0 on success; 2 on a usage error (a spec without a colon, a
+module that cannot be imported, a factory that is missing, raises or returns
+the wrong shape, bad ``--options``), with a one-line message on stderr. An
+error inside erase_fx or the model's forward propagates with its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+import erase_fx
+from erase_fx.backend import make_backend
+from erase_fx.errors import EraseOptionError
+from erase_fx.report import GraphReport, collect_reports
+
+PROG = "erase-fx"
+USAGE_ERROR = 2
+#: How many parameter names a table row shows before "...".
+PARAM_NAMES_SHOWN = 2
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit code 2."""
+
+
+# -- reports as text -----------------------------------------------------------
+
+
+def format_report(report: GraphReport) -> str:
+    """A readable table of one graph's early blocks and rejected components."""
+    lines = [_heading(report)]
+    if report.fallback_reason:
+        lines.append(f"  stock path: {report.fallback_reason}")
+    if report.blocks:
+        rows = [
+            (b.id, b.stream, len(b.params), _first_names(b.params), b.ready_after, b.num_nodes,
+             _si(b.flops))
+            for b in report.blocks
+        ]
+        headers = ("block", "stream", "#params", "params", "ready after", "nodes", "bwd FLOPs")
+        lines += format_table(headers, rows, indent="  ")
+    if report.rejected:
+        lines.append("  left in the backward:")
+        rows = [
+            (r.reason, len(r.params), _first_names(r.params), r.num_nodes, _si(r.flops),
+             r.detail + (f" (node {r.node})" if r.node else ""))
+            for r in report.rejected
+        ]
+        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "detail")
+        lines += format_table(headers, rows, indent="    ")
+    return "\n".join(lines)
+
+
+def _heading(report: GraphReport) -> str:
+    return (
+        f"graph {report.graph_id}: {_count(len(report.blocks), 'early block')}, "
+        f"{_count(len(report.rejected), 'component')} left in the backward; "
+        f"{report.early_share:.0%} of the backward FLOPs run early "
+        f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
+        f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _first_names(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:PARAM_NAMES_SHOWN])
+    return shown + (", ..." if len(names) > PARAM_NAMES_SHOWN else "")
+
+
+def _si(value: float) -> str:
+    """1234567 -> '1.23M'."""
+    for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:g}"
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns; the last column is not padded."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return [
+        indent + "  ".join(
+            cell.ljust(width) if i < len(row) - 1 else cell
+            for i, (cell, width) in enumerate(zip(row, widths))
+        )
+        for row in cells
+    ]
+
+
+# -- explain -------------------------------------------------------------------
+
+
+def load_factory_result(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """Import ``module:factory``, call the factory and return ``(model, args, kwargs)``."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise UsageError(f"expected module:factory, e.g. erase_fx.demo:ff_factory; got {spec!r}")
+    try:
+        with _cwd_importable():
+            module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's spec
+        raise UsageError(f"cannot import module {module_name!r}: {_one_line(error)}") from error
+    factory: Any = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise UsageError(f"module {module_name!r} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise UsageError(f"{spec} is not callable")
+    try:
+        result = factory()
+    except Exception as error:  # noqa: BLE001 - reported as the factory's failure
+        raise UsageError(f"{spec}() raised {_one_line(error)}") from error
+    return _model_and_inputs(spec, result)
+
+
+def _model_and_inputs(spec: str, result: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    expected = "(model, example_inputs) or (model, args, kwargs)"
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise UsageError(f"{spec}() returned {_kind(result)}; expected {expected}")
+    model, args, kwargs = result if len(result) == 3 else (*result, {})
+    if not callable(model):
+        raise UsageError(f"{spec}() returned a model that is not callable: {_kind(model)}")
+    if not isinstance(args, (tuple, list)):
+        raise UsageError(
+            f"{spec}() returned example inputs of type {_kind(args)}; expected a tuple "
+            f"(write (x,) for one input)"
+        )
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"{spec}() returned kwargs of type {_kind(kwargs)}; expected a dict")
+    return model, tuple(args), kwargs
+
+
+def parse_options(text: str | None) -> dict[str, Any]:
+    """``--options``: a JSON object of `EraseConfig` fields, checked here."""
+    if text is None:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--options is not valid JSON: {error}") from error
+    if not isinstance(options, dict):
+        raise UsageError(f"--options must be a JSON object, got {_kind(options)}")
+    try:
+        erase_fx.EraseConfig.from_options({"inner": "aot_eager", **options})
+    except EraseOptionError as error:
+        raise UsageError(f"--options: {error}") from error
+    return options
+
+
+def explain_with_options(
+    model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+) -> list[GraphReport]:
+    """`erase_fx.explain`, with ``options`` given to the backend.
+
+    NB: ``erase_fx.explain`` forwards its keyword arguments to the model, so
+    it has no way to take backend options; with none, it is called as is.
+    """
+    if not options:
+        return erase_fx.explain(model, *args, **kwargs)
+    subject = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
+    backend = make_backend(**{"inner": "aot_eager", **options})
+    compiled = torch.compile(subject, backend=backend)
+    with collect_reports() as reports, torch.enable_grad():
+        compiled(*args, **kwargs)
+    return list(reports)
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    options = parse_options(args.options)
+    model, model_args, model_kwargs = load_factory_result(args.spec)
+    reports = explain_with_options(model, model_args, model_kwargs, options)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2, sort_keys=True))
+        return 0
+    if not reports:
+        print("no graph was compiled: the model's forward ran no torch code Dynamo captures")
+    print("\n\n".join(format_report(r) for r in reports))
+    return 0
+
+
+# -- command line --------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="erase_fx: run the backward of detached blocks early, on side CUDA streams.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {erase_fx.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "demo", add_help=False,
+        help="train local-loss models eagerly and with backend='erase' side by side "
+        "(flags: erase-fx demo --help)",
+    )
+    explain = commands.add_parser(
+        "explain",
+        help="print the early blocks erase_fx finds in a model",
+        description="Compile one forward of factory()'s model with backend='erase' (inner "
+        "aot_eager, nothing trained) and print what erase_fx decided per graph.",
+    )
+    explain.add_argument(
+        "spec", metavar="module:factory",
+        help="a function returning (model, example_inputs) or (model, args, kwargs), "
+        "e.g. erase_fx.demo:ff_factory",
+    )
+    explain.add_argument("--json", action="store_true",
+                         help="print the reports as a JSON list of GraphReport.to_dict()")
+    explain.add_argument("--options", metavar="JSON",
+                         help='erase backend options as a JSON object, e.g. \'{"streams": 2}\'')
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``erase-fx`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # NB: the demo parses its own flags (``--help`` included): forward them untouched.
+    if argv[:1] == ["demo"]:
+        from erase_fx import demo
+
+        return demo.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return run_explain(args)
+    except UsageError as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """Let the spec name a module of the current folder, as ``python -m`` does."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of length {len(value)}"
+    return f"a {type(value).__name__}"

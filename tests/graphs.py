@@ -1,0 +1,300 @@
+"""Small models, joint-graph tracing and gradient comparison shared by the tests."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition
+
+from erase_fx.emit import decompositions_for
+from erase_fx.passes.graph import clone_module
+
+# -- models ------------------------------------------------------------------
+
+
+class TwoBlock(nn.Module):
+    """Block 1 (with a local MSE head) feeds block 2 through a detach."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.b1 = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 16), nn.Tanh())
+        self.head1 = nn.Linear(16, d_out)
+        self.b2 = nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Linear(hidden, d_out))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(h1), y)
+        out = self.b2(h1.detach())
+        return local + F.cross_entropy(out, y.argmax(-1))
+
+
+class TwoBlockNoDetach(TwoBlock):
+    """The same model trained end to end: no stop-gradient, so nothing can run early."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(h1), y)
+        return local + F.cross_entropy(self.b2(h1), y.argmax(-1))
+
+
+class TwoBlockTwoOutputs(TwoBlock):
+    """Returns (loss, logits): two tangents; block 1's backward reads only the loss's."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(h1), y)
+        out = self.b2(h1.detach())
+        return local + F.cross_entropy(out, y.argmax(-1)), out
+
+
+class Chain(nn.Module):
+    """K detached stages, each Linear-ReLU-Linear-LayerNorm with a local CE head."""
+
+    def __init__(self, stages: int = 3, d: int = 16, hidden: int = 32, classes: int = 5):
+        super().__init__()
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d), nn.LayerNorm(d))
+            for _ in range(stages)
+        )
+        self.heads = nn.ModuleList(nn.Linear(d, classes) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = x.new_zeros(())
+        h = x
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            loss = loss + F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return loss
+
+
+class BatchNormBlocks(nn.Module):
+    """Detached blocks with BatchNorm: running stats are buffers mutated in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1 = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head1 = nn.Linear(16, 3)
+        self.b2 = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.b1(x)
+        local = F.cross_entropy(self.head1(h), labels)
+        return local + F.cross_entropy(self.b2(h.detach()), labels)
+
+
+class GraphBreakChain(Chain):
+    """A 4-stage Chain with a graph break after stage 1 (two Dynamo graphs)."""
+
+    def __init__(self):
+        super().__init__(stages=4)
+
+    def stage(self, i: int, h: torch.Tensor, labels: torch.Tensor):
+        h = self.stages[i](h)
+        return h.detach(), F.cross_entropy(self.heads[i](h), labels)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h, loss0 = self.stage(0, x, labels)
+        h, loss1 = self.stage(1, h, labels)
+        torch._dynamo.graph_break()
+        h, loss2 = self.stage(2, h, labels)
+        h, loss3 = self.stage(3, h, labels)
+        return loss0 + loss1 + loss2 + loss3
+
+
+class ClipGrad(torch.autograd.Function):
+    """Identity whose backward clips the incoming gradient: not linear in it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-1e-3, 1e-3)
+
+
+class ClippedChain(Chain):
+    """A Chain whose first stage clips its gradient: the block cannot run early."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = ClipGrad.apply(self.stages[0](x))
+        loss = F.cross_entropy(self.heads[0](h), labels)
+        h = h.detach()
+        for stage, head in zip(self.stages[1:], self.heads[1:]):
+            h = stage(h)
+            loss = loss + F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return loss
+
+
+def chain_inputs(batch: int = 6, d: int = 16, classes: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, d), torch.randint(0, classes, (batch,))
+
+
+def two_block_inputs(batch: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 8), torch.randn(batch, 4)
+
+
+# -- joint graphs ------------------------------------------------------------
+
+
+class JointGraph:
+    """A joint graph AOTAutograd traced, as a partition function received it."""
+
+    def __init__(self, gm: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict):
+        self.gm = gm
+        self.joint_inputs = joint_inputs
+        self.num_fwd_outputs = num_fwd_outputs
+        self.kwargs = kwargs
+
+
+def trace_joint(model: nn.Module, *args: Any, inner: str = "aot_eager") -> JointGraph:
+    """The joint forward-backward graph of ``model(*args)`` (first Dynamo graph)."""
+    captured: list[JointGraph] = []
+
+    def partition(gm, joint_inputs, *, num_fwd_outputs, **kwargs):
+        if not captured:
+            captured.append(JointGraph(clone_module(gm)[0], joint_inputs, num_fwd_outputs, kwargs))
+        return default_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=partition,
+        decompositions=decompositions_for(inner),
+    )
+    torch._dynamo.reset()
+    torch.compile(copy.deepcopy(model), backend=backend)(*args)
+    torch._dynamo.reset()
+    return captured[0]
+
+
+def targets(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
+    """The op (without overload) of each named node, e.g. ``["mm", "t"]``."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return [_op_name(by_name[name]) for name in names]
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+
+
+# -- gradient comparison -------------------------------------------------------
+
+
+def assert_same_grads(
+    reference: nn.Module, candidate: nn.Module, *, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Every parameter's grad of ``candidate`` equals ``reference``'s (None where None)."""
+    ref_params = dict(reference.named_parameters())
+    for name, param in candidate.named_parameters():
+        expected = ref_params[name].grad
+        if expected is None:
+            assert param.grad is None, f"{name}: eager has no grad, erase has one"
+            continue
+        assert param.grad is not None, f"{name}: erase has no grad"
+        torch.testing.assert_close(param.grad, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def check_parity(
+    model: nn.Module,
+    make_inputs: Callable[[], tuple[Any, ...]],
+    *,
+    options: dict | None = None,
+    steps: int = 2,
+    loss_of: Callable[[Any], torch.Tensor] = lambda out: out,
+    dynamic: bool | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> tuple[nn.Module, nn.Module]:
+    """Train-step eager and erase copies of ``model`` on the same fresh inputs.
+
+    After every step, every parameter's grad must match. Returns (eager, erased).
+    """
+    eager = copy.deepcopy(model)
+    erased = copy.deepcopy(model)
+    options = {"inner": "aot_eager", "on_error": "raise", **(options or {})}
+    compiled = torch.compile(erased, backend="erase", options=options, dynamic=dynamic)
+    for _ in range(steps):
+        inputs = make_inputs()
+        for module in (eager, erased):
+            module.zero_grad(set_to_none=True)
+        loss_of(eager(*inputs)).backward()
+        loss_of(compiled(*inputs)).backward()
+        assert_same_grads(eager, erased, rtol=rtol, atol=atol)
+    return eager, erased
+
+
+# -- running graphs on real values ------------------------------------------------
+
+
+def real_values(gm: fx.GraphModule, *, generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Fresh random real values for each placeholder of ``gm``, by name.
+
+    Floats are normal samples; integers (class labels) are 0 or 1; SymInts take
+    their example hint.
+    """
+    values = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta["val"]
+        if isinstance(val, torch.SymInt):
+            values[node.name] = int(val.node.hint)
+        elif val.dtype.is_floating_point:
+            values[node.name] = torch.randn(tuple(val.shape), dtype=val.dtype, generator=generator)
+        else:
+            values[node.name] = torch.randint(0, 2, tuple(val.shape), dtype=val.dtype,
+                                              generator=generator)
+    return values
+
+
+def run_joint(gm: fx.GraphModule, values: dict[str, Any]) -> list[Any]:
+    """Call a joint graph (``forward(primals, tangents)``) with values by placeholder name."""
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    primal_values = [values[n] for n in placeholders if n.startswith("primals")]
+    tangent_values = [values[n] for n in placeholders if n.startswith("tangents")]
+    forward_outputs, grads = gm(primal_values, tangent_values)
+    return [*forward_outputs, *grads]
+
+
+def assert_outputs_close(actual: Sequence[Any], expected: Sequence[Any]) -> None:
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is None or not isinstance(e, torch.Tensor):
+            assert a == e, f"output {i}"
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"output {i}: {m}")
+
+
+class Stages:
+    """Every intermediate of the pass pipeline for one model, for pass tests."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], cfg: Any, inner: str = "aot_eager"):
+        from erase_fx.passes import (
+            assign_streams,
+            find_stop_gradient_blocks,
+            partition_joint_graph,
+            schedule_early_backward,
+            split_segments,
+        )
+
+        self.cfg = cfg
+        self.joint = trace_joint(model, *inputs, inner=inner)
+        self.analysis = find_stop_gradient_blocks(
+            self.joint.gm, cfg, num_fwd_outputs=self.joint.num_fwd_outputs
+        )
+        self.scheduled = schedule_early_backward(self.joint.gm, cfg, self.analysis)
+        self.fw, self.bw = partition_joint_graph(
+            self.scheduled.gm, self.joint.joint_inputs, cfg,
+            num_fwd_outputs=self.joint.num_fwd_outputs, **self.joint.kwargs,
+        )
+        self.assigned = assign_streams(self.fw, cfg)
+        self.segmented = split_segments(self.assigned.gm, cfg)

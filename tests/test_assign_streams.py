@@ -1,0 +1,81 @@
+"""assign_streams: main stream for the forward, round-robin side streams, sync points."""
+import pytest
+import torch
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
+from erase_fx.passes.assign_streams import check_stream_assignment
+from erase_fx.passes.graph import clone_module, output_node
+from erase_fx.passes.node_meta import NodeMeta, set_meta
+from graphs import Chain, Stages, chain_inputs
+
+aten = torch.ops.aten
+
+
+def streams_by_block(gm):
+    found = {}
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if node.op != "output" and meta.role is Role.EARLY_BACKWARD:
+            found.setdefault(meta.block, set()).add(meta.stream)
+    return found
+
+
+@pytest.mark.parametrize("streams, expected", [
+    (1, {0: {1}, 1: {1}, 2: {1}}),
+    (2, {0: {1}, 1: {2}, 2: {1}}),
+    (4, {0: {1}, 1: {2}, 2: {3}}),
+])
+def test_blocks_go_round_robin_over_side_streams(streams, expected):
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="aot_eager", streams=streams))
+    assert streams_by_block(stages.assigned.gm) == expected
+
+
+def test_forward_nodes_stay_on_the_main_stream_and_syncs_are_recorded():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm = stages.assigned.gm
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if node.op == "output":
+            side_inputs = {a.name for a in node.all_input_nodes if get_meta(a).stream != MAIN_STREAM}
+            assert side_inputs and set(meta.waits_for) == side_inputs
+            continue
+        if meta.role is Role.FORWARD:
+            assert meta.stream == MAIN_STREAM
+            assert meta.waits_for == ()  # the main stream never waits before the join
+        else:
+            crossing = {a.name for a in node.all_input_nodes if get_meta(a).stream == MAIN_STREAM}
+            assert set(meta.waits_for) == crossing
+
+
+def test_an_early_node_the_main_stream_reads_moves_to_it_with_its_inputs():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    fw, _ = clone_module(stages.fw)
+    graph = fw.graph
+    early = [n for n in graph.nodes if (m := get_meta(n)) and m.role is Role.EARLY_BACKWARD
+             and m.block == 0 and m.grad_of is not None]
+    target = early[-1]
+    out = output_node(graph)
+    with graph.inserting_before(out):
+        reader = graph.call_function(aten.neg.default, (target,))
+    reader.meta["val"] = target.meta["val"]
+    set_meta(reader, NodeMeta(Role.FORWARD))
+    out.args = (tuple(out.args[0]) + (reader,),)
+    fw.recompile()
+
+    assigned = assign_streams(fw, stages.cfg).gm
+    by_name = {n.name: n for n in assigned.graph.nodes}
+    moved = by_name[target.name]
+    assert get_meta(moved).stream == MAIN_STREAM
+    assert all(get_meta(a).stream == MAIN_STREAM for a in moved.all_input_nodes)
+    check_stream_assignment(assigned)
+
+
+def test_check_catches_a_missing_sync_point():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm, _ = clone_module(stages.assigned.gm)
+    node = next(n for n in gm.graph.nodes if get_meta(n).waits_for and n.op != "output")
+    set_meta(node, NodeMeta(get_meta(node).role, get_meta(node).block, stream=get_meta(node).stream))
+    with pytest.raises(GraphInvariantError, match="sync point missing"):
+        check_stream_assignment(gm)

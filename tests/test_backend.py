@@ -1,0 +1,173 @@
+"""End to end: torch.compile(model, backend="erase") against eager, on every parameter's grad.
+
+Every check draws fresh random inputs at each step and compares after each
+backward (fp32: rtol 1e-5, atol 1e-6).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import erase_fx
+from graphs import (
+    BatchNormBlocks,
+    Chain,
+    GraphBreakChain,
+    TwoBlock,
+    TwoBlockNoDetach,
+    TwoBlockTwoOutputs,
+    assert_same_grads,
+    chain_inputs,
+    check_parity,
+    two_block_inputs,
+)
+
+
+def reports_of(fn):
+    with erase_fx.collect_reports() as reports:
+        fn()
+    return reports
+
+
+def test_backend_is_found_by_name_after_install():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("erase") is erase_fx.erase_backend
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "eager"])
+@pytest.mark.parametrize("model, inputs", [
+    (TwoBlock, two_block_inputs),
+    (lambda: Chain(4), chain_inputs),
+])
+def test_gradients_equal_eager(inner, model, inputs):
+    reports = reports_of(lambda: check_parity(model(), inputs, options={"inner": inner}, steps=3))
+    assert len(reports) == 1 and reports[0].blocks and reports[0].fallback_reason is None
+
+
+@pytest.mark.parametrize("model, inputs, blocks", [
+    (TwoBlock, two_block_inputs, 1),
+    (lambda: Chain(3), chain_inputs, 2),
+])
+def test_gradients_equal_eager_with_inductor(model, inputs, blocks):
+    reports = reports_of(lambda: check_parity(model(), inputs, options={"inner": "inductor"},
+                                              steps=2, rtol=1e-4, atol=1e-5))
+    assert len(reports[0].blocks) == blocks
+
+
+def test_model_without_detach_takes_the_stock_path():
+    reports = reports_of(lambda: check_parity(TwoBlockNoDetach(), two_block_inputs))
+    (report,) = reports
+    assert report.blocks == ()
+    assert report.fallback_reason == "no early block"
+
+
+def test_loss_and_logits_both_in_the_final_backward():
+    check_parity(TwoBlockTwoOutputs(), two_block_inputs,
+                 loss_of=lambda out: out[0] + out[1].square().sum())
+
+
+def test_scaled_loss_backward():
+    check_parity(Chain(3), chain_inputs, loss_of=lambda loss: 3.0 * loss)
+
+
+@pytest.mark.parametrize("seed", [1.0, 1024.0])
+def test_grad_scaler_scaled_seed(seed):
+    scale = 2.0 ** 12
+    eager_model = Chain(3)
+    erased_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(erased_model, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise", "seed": seed})
+    scalers = [torch.amp.GradScaler("cpu", init_scale=scale) for _ in range(2)]
+    for _ in range(2):
+        inputs = chain_inputs()
+        for module, scaler, fn in ((eager_model, scalers[0], eager_model),
+                                   (erased_model, scalers[1], compiled)):
+            module.zero_grad(set_to_none=True)
+            scaler.scale(fn(*inputs)).backward()
+        assert_same_grads(eager_model, erased_model, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_batchnorm_buffers_update_as_in_eager():
+    eager, erased = check_parity(BatchNormBlocks(), lambda: (torch.randn(8, 8),
+                                                             torch.randint(0, 3, (8,))), steps=3)
+    for (name, expected), (_, actual) in zip(eager.named_buffers(), erased.named_buffers()):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_frozen_parameters_get_no_grad():
+    model = Chain(3)
+    model.stages[0][0].weight.requires_grad_(False)
+    model.heads[1].requires_grad_(False)
+    eager, erased = check_parity(model, chain_inputs)
+    assert erased.stages[0][0].weight.grad is None and erased.heads[1].weight.grad is None
+
+
+def test_dynamic_shapes():
+    batches = iter([5, 9, 7, 12])
+    check_parity(Chain(3), lambda: chain_inputs(batch=next(batches)), dynamic=True, steps=4)
+
+
+def test_bf16_autocast_on_cpu():
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Chain(3)
+
+        def forward(self, x, labels):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.inner(x, labels)
+
+    reports = reports_of(lambda: check_parity(Autocast(), chain_inputs, rtol=2e-2, atol=2e-3))
+    assert len(reports[0].blocks) == 2
+
+
+def test_two_forwards_then_one_backward_of_their_sum():
+    eager = Chain(3)
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+    first, second = chain_inputs(), chain_inputs()
+    (eager(*first) + eager(*second)).backward()
+    (compiled(*first) + compiled(*second)).backward()
+    assert_same_grads(eager, erased)
+
+
+def test_forward_without_backward_leaves_grads_untouched():
+    eager = Chain(3)
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+    compiled(*chain_inputs())  # computes early grads, which must not reach .grad
+    assert all(p.grad is None for p in erased.parameters())
+    inputs = chain_inputs()
+    eager(*inputs).backward()
+    compiled(*inputs).backward()
+    assert_same_grads(eager, erased)
+
+
+def test_gradient_accumulation_over_several_backwards():
+    eager, erased = Chain(3), None
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+    for _ in range(3):  # no zero_grad: grads accumulate
+        inputs = chain_inputs()
+        eager(*inputs).backward()
+        compiled(*inputs).backward()
+    assert_same_grads(eager, erased)
+
+
+def test_no_grad_forward_matches_eager_and_reports_inference():
+    model = Chain(3)
+    compiled = torch.compile(copy.deepcopy(model), backend="erase", options={"inner": "aot_eager"})
+    inputs = chain_inputs()
+    with erase_fx.collect_reports() as reports, torch.no_grad():
+        actual = compiled(*inputs)
+    torch.testing.assert_close(actual, model(*inputs))
+    assert reports[0].blocks == () and "inference" in reports[0].fallback_reason
+
+
+def test_graph_break_compiles_each_graph_with_its_own_blocks():
+    reports = reports_of(lambda: check_parity(GraphBreakChain(), chain_inputs))
+    assert len(reports) == 2
+    # stages 0-1 in graph 0 (stage 1 is its last block), stages 2-3 in graph 1
+    assert [len(r.blocks) for r in reports] == [1, 1]

@@ -1,0 +1,54 @@
+"""erase_fx.explain: one report per graph, K-1 blocks for a K-stage chain, the model untouched."""
+import json
+
+import pytest
+import torch
+
+import erase_fx
+from erase_fx import GraphReport
+from graphs import BatchNormBlocks, Chain, TwoBlockNoDetach, chain_inputs, two_block_inputs
+
+
+@pytest.mark.parametrize("stages", [2, 3, 6])
+def test_chain_of_k_stages_reports_k_minus_1_early_blocks(stages):
+    (report,) = erase_fx.explain(Chain(stages), *chain_inputs())
+    assert len(report.blocks) == stages - 1
+    assert [b.stream for b in report.blocks] == [1 + i % 4 for i in range(stages - 1)]
+    for i, block in enumerate(report.blocks):
+        assert set(block.params) == {
+            f"stages.{i}.0.weight", f"stages.{i}.0.bias", f"stages.{i}.2.weight",
+            f"stages.{i}.2.bias", f"stages.{i}.3.weight", f"stages.{i}.3.bias",
+            f"heads.{i}.weight", f"heads.{i}.bias",
+        }
+        assert block.num_nodes > 0 and block.flops > 0 and block.ready_after
+    (last,) = report.rejected
+    assert last.reason == "last_block"
+    assert last.params[0].startswith(f"stages.{stages - 1}.")
+    assert 0 < report.early_share < 1
+
+
+def test_no_detach_reports_the_stock_path():
+    (report,) = erase_fx.explain(TwoBlockNoDetach(), *two_block_inputs())
+    assert report.blocks == () and report.fallback_reason == "no early block"
+
+
+def test_explain_leaves_the_model_and_its_buffers_untouched():
+    model = BatchNormBlocks()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    erase_fx.explain(model, torch.randn(8, 8), torch.randint(0, 3, (8,)))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_report_round_trips_through_json():
+    (report,) = erase_fx.explain(Chain(3), *chain_inputs())
+    data = json.loads(report.to_json())
+    assert GraphReport.from_dict(data) == report
+    with pytest.raises(ValueError, match="unknown GraphReport fields"):
+        GraphReport.from_dict({**data, "extra": 1})
+
+
+def test_summary_line():
+    (report,) = erase_fx.explain(Chain(3), *chain_inputs())
+    assert "2 early block(s)" in report.summary()

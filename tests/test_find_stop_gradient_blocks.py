@@ -1,0 +1,205 @@
+"""find_stop_gradient_blocks on joint graphs traced by AOTAutograd, and its linearity rules."""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.passes import RejectReason, find_stop_gradient_blocks
+from erase_fx.passes.linearity import is_zero_constant, linearity_violation
+from graphs import (
+    Chain,
+    ClippedChain,
+    TwoBlock,
+    TwoBlockNoDetach,
+    TwoBlockTwoOutputs,
+    chain_inputs,
+    targets,
+    trace_joint,
+    two_block_inputs,
+)
+
+aten = torch.ops.aten
+CFG = EraseConfig(inner="aot_eager")
+
+
+def analyse(joint, **kwargs):
+    return find_stop_gradient_blocks(joint.gm, CFG, num_fwd_outputs=joint.num_fwd_outputs, **kwargs)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_chain_of_k_stages_has_k_minus_1_early_blocks(inner, stages):
+    joint = trace_joint(Chain(stages), *chain_inputs(), inner=inner)
+    analysis = analyse(joint)
+    assert len(analysis.blocks) == stages - 1
+    assert [b.id for b in analysis.blocks] == list(range(stages - 1))
+    assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
+    # each stage has 6 parameters (2 Linear, LayerNorm) and its head 2
+    assert all(len(b.component.grad_outputs) == 8 for b in analysis.blocks)
+
+
+def test_blocks_are_ordered_by_ready_point_and_name_their_parameters():
+    joint = trace_joint(Chain(3), *chain_inputs())
+    names = [f"p{i}" for i in range(100)]
+    analysis = analyse(joint, primal_names=names)
+    positions = {n.name: i for i, n in enumerate(joint.gm.graph.nodes)}
+    ready = [positions[b.component.ready_after] for b in analysis.blocks]
+    assert ready == sorted(ready)
+    first = analysis.blocks[0]
+    # primal 0 is x (first used by x.new_zeros), which needs no gradient
+    assert len(first.params) == len(set(first.params)) == 8
+    assert "p0" not in first.params
+    assert set(first.params).isdisjoint(analysis.blocks[1].params)
+    assert first.tangent == "tangents_1"
+
+
+def test_ready_point_is_the_last_forward_producer():
+    joint = trace_joint(TwoBlock(), *two_block_inputs())
+    (block,) = analyse(joint).blocks
+    ready = {n.name: n for n in joint.gm.graph.nodes}[block.component.ready_after]
+    # block 1's backward needs the head's output (addmm of head1), which reads tanh
+    assert targets(joint.gm, [ready.name]) == ["addmm"]
+    assert ready.op == "call_function"
+
+
+def test_no_detach_means_no_early_block():
+    joint = trace_joint(TwoBlockNoDetach(), *two_block_inputs())
+    analysis = analyse(joint)
+    assert analysis.blocks == ()
+    assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
+    assert analysis.early_flops == 0
+    assert analysis.backward_flops > 0
+
+
+def test_two_outputs_block_reads_only_the_loss_tangent():
+    joint = trace_joint(TwoBlockTwoOutputs(), *two_block_inputs())
+    analysis = analyse(joint)
+    (block,) = analysis.blocks
+    assert block.component.tangents == ("tangents_1",)
+    (last,) = analysis.rejected
+    assert last.reason is RejectReason.LAST_BLOCK
+    assert set(last.component.tangents) == {"tangents_1", "tangents_2"}
+
+
+class NonScalarLocalOutput(TwoBlock):
+    """Block 1's only 'loss' is a tensor output: its backward reads a non-scalar tangent."""
+
+    def forward(self, x, y):
+        h1 = self.b1(x)
+        local_out = self.head1(h1)
+        out = self.b2(h1.detach())
+        return torch.nn.functional.cross_entropy(out, y.argmax(-1)), local_out
+
+
+def test_block_reading_a_non_scalar_tangent_stays_in_the_backward():
+    joint = trace_joint(NonScalarLocalOutput(), *two_block_inputs())
+    analysis = analyse(joint)
+    assert analysis.blocks == ()
+    reasons = {r.reason for r in analysis.rejected}
+    assert reasons == {RejectReason.NOT_SCALAR_TANGENT, RejectReason.LAST_BLOCK}
+
+
+def test_gradient_clipping_backward_is_not_linear():
+    joint = trace_joint(ClippedChain(3), *chain_inputs())
+    analysis = analyse(joint)
+    assert len(analysis.blocks) == 1  # stage 1; stage 0 clips, stage 2 is last
+    clipped = [r for r in analysis.rejected if r.reason is RejectReason.NOT_LINEAR]
+    assert len(clipped) == 1
+    assert "clamp" in clipped[0].detail
+    assert targets(joint.gm, [clipped[0].node]) == ["clamp"]
+
+
+def test_a_mutation_in_a_block_keeps_it_in_the_backward():
+    joint = trace_joint(Chain(3), *chain_inputs())
+    block = analyse(joint).blocks[0]
+    graph = joint.gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    victim = by_name[block.component.nodes[0]]
+    with graph.inserting_after(victim):
+        mutation = graph.call_function(aten.mul_.Tensor, (victim, 1.0))
+    mutation.meta["val"] = victim.meta["val"]
+    user = next(u for u in victim.users if u is not mutation)
+    user.replace_input_with(victim, mutation)
+    analysis = analyse(joint)
+    assert len(analysis.blocks) == 1
+    mutated = [r for r in analysis.rejected if r.reason is RejectReason.MUTATION]
+    assert [r.node for r in mutated] == [mutation.name]
+
+
+def test_analysis_leaves_the_graph_untouched():
+    joint = trace_joint(Chain(3), *chain_inputs())
+    before = joint.gm.code
+    analyse(joint)
+    assert joint.gm.code == before
+
+
+# -- linearity, on hand-built graphs ------------------------------------------
+
+
+def small_graph():
+    graph = fx.Graph()
+    grad = graph.placeholder("grad")  # depends on the tangent
+    other = graph.placeholder("other")  # does not
+    mask = graph.placeholder("mask")
+    return graph, grad, other, mask
+
+
+@pytest.mark.parametrize(
+    "build, linear",
+    [
+        (lambda g, d, o, m: g.call_function(aten.mul.Tensor, (d, o)), True),
+        (lambda g, d, o, m: g.call_function(aten.mul.Tensor, (d, d)), False),
+        (lambda g, d, o, m: g.call_function(aten.mm.default, (o, d)), True),
+        (lambda g, d, o, m: g.call_function(aten.add.Tensor, (d, d)), True),
+        (lambda g, d, o, m: g.call_function(aten.add.Tensor, (d, 1.0)), False),
+        (lambda g, d, o, m: g.call_function(aten.add.Tensor, (d, 0)), True),
+        (lambda g, d, o, m: g.call_function(aten.add.Tensor, (d, o)), False),
+        (lambda g, d, o, m: g.call_function(aten.sub.Tensor, (d, d)), True),
+        (lambda g, d, o, m: g.call_function(aten.div.Tensor, (d, o)), True),
+        (lambda g, d, o, m: g.call_function(aten.div.Tensor, (o, d)), False),
+        (lambda g, d, o, m: g.call_function(aten.view.default, (d, [4])), True),
+        (lambda g, d, o, m: g.call_function(aten.sum.dim_IntList, (d, [0], True)), True),
+        (lambda g, d, o, m: g.call_function(aten.clamp.default, (d, -1.0, 1.0)), False),
+        (lambda g, d, o, m: g.call_function(aten.abs.default, (d,)), False),
+        (lambda g, d, o, m: g.call_function(aten.exp.default, (d,)), False),
+        (lambda g, d, o, m: g.call_function(aten.threshold_backward.default, (d, o, 0)), True),
+        (lambda g, d, o, m: g.call_function(aten.threshold_backward.default, (o, d, 0)), False),
+        (lambda g, d, o, m: g.call_function(aten.where.self, (m, d, g.call_function(
+            aten.full.default, ([], 0.0)))), True),
+        (lambda g, d, o, m: g.call_function(aten.where.self, (m, d, o)), False),
+        (lambda g, d, o, m: g.call_function(aten.where.self, (d, o, o)), False),
+        (lambda g, d, o, m: g.call_function(aten.masked_fill.Scalar, (d, m, 0.0)), True),
+        (lambda g, d, o, m: g.call_function(aten.masked_fill.Scalar, (d, m, 2.0)), False),
+        (lambda g, d, o, m: g.call_function(operator.getitem, (d, 0)), True),
+    ],
+)
+def test_linearity_rules(build, linear):
+    graph, grad, other, mask = small_graph()
+    node = build(graph, grad, other, mask)
+    dependent = {grad}
+    why = linearity_violation(node, dependent)
+    assert (why is None) == linear, why
+
+
+def test_nodes_not_reading_the_gradient_are_always_fine():
+    graph, grad, other, mask = small_graph()
+    node = graph.call_function(aten.exp.default, (other,))
+    assert linearity_violation(node, {grad}) is None
+
+
+@pytest.mark.parametrize(
+    "args, zero",
+    [
+        ((aten.full.default, ([], 0.0)), True),
+        ((aten.full.default, ([], 1.0)), False),
+        ((aten.zeros.default, ([3],)), True),
+        ((aten.scalar_tensor.default, (0,)), True),
+        ((aten.scalar_tensor.default, (-1.0,)), False),
+    ],
+)
+def test_zero_constants(args, zero):
+    graph = fx.Graph()
+    node = graph.call_function(*args)
+    assert is_zero_constant(node) == zero

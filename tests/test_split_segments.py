@@ -1,0 +1,57 @@
+"""split_segments: launch order, one stream per segment, same values as the unsplit forward."""
+import re
+
+import pytest
+import torch
+
+from erase_fx.config import EraseConfig
+from erase_fx.passes import MAIN_STREAM
+from graphs import Chain, Stages, TwoBlock, assert_outputs_close, chain_inputs, real_values, two_block_inputs
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", streams=4))
+
+
+def test_blocks_launch_between_forward_segments(chain):
+    segments = chain.segmented.segments
+    assert [(s.stream, s.block) for s in segments] == [
+        (0, None), (1, 0), (0, None), (2, 1), (0, None),
+    ]
+    for segment in segments:
+        assert re.fullmatch(r"seg_\d+(_block_\d+)?_stream_\d+", segment.name)
+
+
+def test_block_segments_wait_for_the_main_segment_before_them(chain):
+    segments = chain.segmented.segments
+    for i, segment in enumerate(segments):
+        if segment.stream == MAIN_STREAM:
+            assert all(chain.segmented.segment(w).stream == MAIN_STREAM for w in segment.waits_for)
+            assert not any(chain.segmented.segment(w).stream != MAIN_STREAM for w in segment.waits_for)
+        else:
+            assert segment.waits_for
+            assert segment.waits_for[-1] == segments[i - 1].name
+
+
+def test_every_segment_returns_a_tuple(chain):
+    for segment in chain.segmented.segments:
+        sub = getattr(chain.segmented.gm, segment.name)
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        assert isinstance(out.args[0], tuple)
+
+
+@pytest.mark.parametrize("model, inputs", [(Chain(3), chain_inputs), (TwoBlock(), two_block_inputs)])
+def test_split_module_computes_what_the_forward_computes(model, inputs):
+    stages = Stages(model, inputs(), EraseConfig(inner="aot_eager"))
+    for _ in range(2):
+        values = real_values(stages.fw)
+        args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+        expected = list(stages.fw(*args))
+        assert_outputs_close(list(stages.segmented.gm(*args)), expected)
+
+
+def test_nodes_are_partitioned_exactly_once(chain):
+    fw_nodes = {n.name for n in chain.assigned.gm.graph.nodes if n.op not in ("placeholder", "output")}
+    in_segments = [name for s in chain.segmented.segments for name in s.nodes]
+    assert len(in_segments) == len(fw_nodes)
