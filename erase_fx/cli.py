@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import importlib
 import json
 import os
@@ -32,12 +31,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
 import erase_fx
-from erase_fx.backend import make_backend
 from erase_fx.errors import EraseOptionError
-from erase_fx.report import GraphReport, collect_reports
+from erase_fx.report import GraphReport
 
 PROG = "erase-fx"
 USAGE_ERROR = 2
@@ -180,33 +176,16 @@ def parse_options(text: str | None) -> dict[str, Any]:
     return options
 
 
-def explain_with_options(
-    model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
-) -> list[GraphReport]:
-    """`erase_fx.explain`, with ``options`` given to the backend.
-
-    NB: ``erase_fx.explain`` forwards its keyword arguments to the model, so
-    it has no way to take backend options; with none, it is called as is.
-    """
-    if not options:
-        return erase_fx.explain(model, *args, **kwargs)
-    subject = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
-    backend = make_backend(**{"inner": "aot_eager", **options})
-    compiled = torch.compile(subject, backend=backend)
-    with collect_reports() as reports, torch.enable_grad():
-        compiled(*args, **kwargs)
-    return list(reports)
-
-
 def run_explain(args: argparse.Namespace) -> int:
     options = parse_options(args.options)
     model, model_args, model_kwargs = load_factory_result(args.spec)
-    reports = explain_with_options(model, model_args, model_kwargs, options)
+    reports = erase_fx.explain(model, *model_args, erase_options=options, **model_kwargs)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2, sort_keys=True))
         return 0
     if not reports:
         print("no graph was compiled: the model's forward ran no torch code Dynamo captures")
+        return 0
     print("\n\n".join(format_report(r) for r in reports))
     return 0
 
@@ -247,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``erase-fx`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # NB: the reader (``| head``) left; as Python's docs advise, silence
+        # the flush at exit instead of printing a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _dispatch(argv: list[str]) -> int:
     # NB: the demo parses its own flags (``--help`` included): forward them untouched.
     if argv[:1] == ["demo"]:
         from erase_fx import demo

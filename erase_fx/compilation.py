@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
+from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
 from erase_fx.errors import EraseError, EraseRuntimeError, UnsupportedBlockError
 from erase_fx.instruments import DumpInstrument, PassRunner, TimingInstrument
@@ -42,7 +43,7 @@ from erase_fx.passes import (
     split_segments,
     stock_partition,
 )
-from erase_fx.passes.graph import primals
+from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.report import GraphReport
 
 log = logging.getLogger("erase_fx")
@@ -61,6 +62,8 @@ class GraphCompilation:
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
         self.has_early_blocks = False
         self.bw_donates_buffers = False
+        self.fw_metadata: Any = None
+        self.graphed_forward: GraphedForward | None = None
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -83,19 +86,26 @@ class GraphCompilation:
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
 
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        self._note_donated_buffers()
+        self._note_forward_metadata()
         if not any(_is_early(n) for n in fw.graph.nodes):
-            return compile_graph(fw, example_inputs, self.cfg.inner)
-        try:
-            return self._compile_segments(fw, example_inputs)
-        except Exception as error:  # noqa: BLE001 - the documented fallback
-            self._fall_back("compile_forward", error, keep_schedule=True)
-            return compile_graph(fw, example_inputs, self.cfg.inner)
+            compiled = compile_graph(fw, example_inputs, self.cfg.inner)
+        else:
+            try:
+                compiled = self._compile_segments(fw, example_inputs)
+            except Exception as error:  # noqa: BLE001 - the documented fallback
+                self._fall_back("compile_forward", error, keep_schedule=True)
+                compiled = compile_graph(fw, example_inputs, self.cfg.inner)
+        return self._maybe_graph_forward(compiled, example_inputs)
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.dump is not None:
             self.runner.record("bwd", bw)
-        return compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
+        compiled = compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
+        if self.graphed_forward is None:
+            return compiled
+        num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
+        return GraphedBackward(compiled, self.graphed_forward, num_saved,
+                               name=f"graph {self.graph_id} backward")
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         self.report = self.report.with_fallback("inference graph: no backward to run early")
@@ -183,12 +193,36 @@ class GraphCompilation:
             names.append(self.input_names[index] if index < len(self.input_names) else node.name)
         return names
 
-    def _note_donated_buffers(self) -> None:
+    def _note_forward_metadata(self) -> None:
         from torch._guards import TracingContext
 
         context = TracingContext.try_get()
-        fw_metadata = getattr(context, "fw_metadata", None) if context else None
-        self.bw_donates_buffers = bool(getattr(fw_metadata, "bw_donated_idxs", None))
+        self.fw_metadata = getattr(context, "fw_metadata", None) if context else None
+        self.bw_donates_buffers = bool(getattr(self.fw_metadata, "bw_donated_idxs", None))
+
+    def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any]) -> Any:
+        """Wrap the compiled forward in CUDA graph replay when the config and graph allow it."""
+        device = cuda_device_of(example_inputs)
+        if device is None or self.cfg.cudagraphs is False:
+            return compiled
+        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs):
+            log.info("erase_fx graph %d: dynamic shapes, so no CUDA graphs", self.graph_id)
+            return compiled
+        metadata = self.fw_metadata
+        num_user_outputs = getattr(metadata, "num_forward_returns", None)
+        if num_user_outputs is None:
+            log.info("erase_fx graph %d: no AOT forward metadata, so no CUDA graphs",
+                     self.graph_id)
+            return compiled
+        self.graphed_forward = GraphedForward(
+            compiled,
+            num_user_outputs=num_user_outputs,
+            static_input_indices=list(getattr(metadata, "static_input_indices", None) or ()),
+            device=device,
+            name=f"graph {self.graph_id}",
+        )
+        return self.graphed_forward
 
     def finish(self) -> GraphReport:
         if self.dump is not None:

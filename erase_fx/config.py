@@ -45,8 +45,13 @@ class EraseConfig:
             loss gradient (1 for ``loss.backward()``, the scale for
             ``scaler.scale(loss).backward()``). Set it near a GradScaler's scale
             when the early grads are fp16, so small grads do not underflow.
-        cudagraphs: capture the multi-stream forward in CUDA graphs. Not
-            supported yet: only ``False`` is accepted.
+        cudagraphs: replay the compiled forward (side streams included) and
+            backward from CUDA graphs, so a step costs two launches instead
+            of one per kernel. ``None`` (default): on for graphs on a CUDA
+            device with static shapes; ``True``: the same (dynamic shapes
+            still run without graphs, with a logged reason); ``False``: off.
+            No effect on CPU. See ``erase_fx/emit/cudagraphs.py`` for what
+            keeps replay exact.
         dump_dir: a folder to write each compiled graph's passes, segments and
             report into (``graph_<n>/``); ``ERASE_FX_DUMP`` sets it too. ``None``
             writes nothing.
@@ -63,7 +68,7 @@ class EraseConfig:
     inner: str = "inductor"
     partitioner: str = "min_cut"
     seed: float = 1.0
-    cudagraphs: bool = False
+    cudagraphs: bool | None = None
     dump_dir: str | None = None
     on_error: str = "fallback"
 
@@ -78,13 +83,8 @@ class EraseConfig:
             raise EraseOptionError("seed", self.seed, "a finite non-zero float")
         if not math.isfinite(self.seed) or self.seed == 0:
             raise EraseOptionError("seed", self.seed, "a finite non-zero float")
-        _check_type("cudagraphs", self.cudagraphs, bool)
-        if self.cudagraphs:
-            raise EraseOptionError(
-                "cudagraphs",
-                self.cudagraphs,
-                "False (CUDA graph capture is not supported by this version of erase_fx)",
-            )
+        if self.cudagraphs is not None:
+            _check_type("cudagraphs", self.cudagraphs, bool)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")
 

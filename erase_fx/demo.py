@@ -11,9 +11,11 @@ flags). For each model the demo
 4. trains both copies on the same batches and prints their losses side by
    side, a held-out metric and the median step time of each.
 
-It exits 1 if a first-step gradient differs from eager's by more than fp32
-round-off (`GRAD_RTOL`, relative to the largest gradient of that parameter):
-that is a bug in erase_fx, not noise.
+It exits 1 if a first-step gradient differs from the reference by more than
+fp32 round-off (`GRAD_RTOL`, relative to the largest gradient of that
+parameter): that is a bug in erase_fx, not noise. The reference is eager, or,
+with ``--inner inductor``, stock ``torch.compile`` with Inductor (whose fused
+kernels round differently from eager; see `stock_reference`).
 
 The models:
 
@@ -50,13 +52,14 @@ The model factories for ``erase-fx explain`` are `ff_factory` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -72,12 +75,21 @@ Batch = tuple[torch.Tensor, ...]
 #: Largest first-step gradient difference accepted, relative to the largest
 #: gradient entry of the same parameter: fp32 round-off, with room for the
 #: different summation orders of fused kernels.
+#: NB: with ``--inner inductor`` the reference is stock Inductor: its fused
+#: kernels move a detached input by ~1e-7 from eager, which can flip a ReLU
+#: unit of the next block and change a weight gradient's row by ~1e-3 of its
+#: maximum, far beyond this tolerance, for stock Inductor as for erase.
 GRAD_RTOL = 1e-5
 #: Steps left out of the median step time: the first ones compile and warm up.
 WARMUP_STEPS = 5
 #: Rows of the loss curve.
 CURVE_ROWS = 10
 LEARNING_RATE = 1e-3
+#: The task (centroids, planted weights) is drawn with ``seed``, the held-out
+#: batch with ``seed + EVAL_SEED_OFFSET``, the training batches with
+#: ``seed + TRAIN_SEED_OFFSET``; the weights with ``seed`` too (`build_seeded`).
+EVAL_SEED_OFFSET = 1
+TRAIN_SEED_OFFSET = 2
 
 
 # -- ff: a chain of stages, each with its own local loss -----------------------
@@ -94,13 +106,15 @@ class FFSizes:
     batch: int = 128
     eval_batch: int = 4096
     #: standard deviation of the noise around the unit-variance class centroids.
+    #: Centroids lie about ``sqrt(2 * dim)`` apart, so the noise grows with
+    #: ``sqrt(dim)`` to keep the task as hard (eval accuracy about 0.9).
     noise: float = 2.5
 
 
 def ff_sizes(device: torch.device) -> FFSizes:
     """Small on CPU so the demo runs in seconds; large enough on CUDA to overlap."""
     if device.type == "cuda":
-        return FFSizes(dim=512, hidden=2048, batch=1024)
+        return FFSizes(dim=512, hidden=2048, batch=1024, noise=7.0)
     return FFSizes()
 
 
@@ -323,8 +337,7 @@ class Workload:
         model: the model, on the device, with its initial weights.
         sample: draws a training batch (on the CPU) from a generator.
         eval_batch: the held-out batch the metric is computed on, on the device.
-        metric: the metric's name, e.g. ``"accuracy"``.
-        higher_is_better: whether a larger metric is better.
+        metric: the metric's name: ``"accuracy"`` (higher is better) or ``"NE"`` (lower is).
         score: the metric of a model on a batch.
     """
 
@@ -334,16 +347,15 @@ class Workload:
     sample: Callable[[torch.Generator], Batch]
     eval_batch: Batch
     metric: str
-    higher_is_better: bool
     score: Callable[[nn.Module, Batch], float]
 
 
 def ff_workload(device: torch.device, seed: int) -> Workload:
     sizes = ff_sizes(device)
     data = GaussianClusters.make(sizes, seed)
-    torch.manual_seed(seed)
-    model = LocalLossChain(sizes).to(device)
-    eval_batch = data.sample(sizes.eval_batch, torch.Generator().manual_seed(seed + 1))
+    model = build_seeded(lambda: LocalLossChain(sizes), seed).to(device)
+    eval_generator = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
+    eval_batch = data.sample(sizes.eval_batch, eval_generator)
     return Workload(
         name="ff",
         title=(
@@ -354,7 +366,6 @@ def ff_workload(device: torch.device, seed: int) -> Workload:
         sample=lambda generator: data.sample(sizes.batch, generator),
         eval_batch=to_device(eval_batch, device),
         metric="accuracy",
-        higher_is_better=True,
         score=accuracy,
     )
 
@@ -362,9 +373,9 @@ def ff_workload(device: torch.device, seed: int) -> Workload:
 def ctr_workload(device: torch.device, seed: int) -> Workload:
     sizes = ctr_sizes(device)
     data = PlantedClicks.make(sizes, seed)
-    torch.manual_seed(seed)
-    model = MultiTowerCTR(sizes).to(device)
-    eval_batch = data.sample(sizes.eval_batch, torch.Generator().manual_seed(seed + 1))
+    model = build_seeded(lambda: MultiTowerCTR(sizes), seed).to(device)
+    eval_generator = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
+    eval_batch = data.sample(sizes.eval_batch, eval_generator)
     return Workload(
         name="ctr",
         title=(
@@ -375,7 +386,6 @@ def ctr_workload(device: torch.device, seed: int) -> Workload:
         sample=lambda generator: data.sample(sizes.batch, generator),
         eval_batch=to_device(eval_batch, device),
         metric="NE",
-        higher_is_better=False,
         score=normalized_entropy,
     )
 
@@ -387,15 +397,28 @@ WORKLOADS: dict[str, Callable[[torch.device, int], Workload]] = {
 
 
 def ff_factory() -> tuple[nn.Module, Batch]:
-    """``(model, (x, labels))`` of the ``ff`` demo on the CPU, for ``erase-fx explain``."""
+    """``(model, (x, labels))`` of the ``ff`` demo on the CPU.
+
+    For ``erase-fx explain erase_fx.demo:ff_factory``.
+    """
     workload = ff_workload(torch.device("cpu"), seed=0)
     return workload.model, workload.sample(torch.Generator().manual_seed(0))
 
 
 def ctr_factory() -> tuple[nn.Module, Batch]:
-    """``(model, (dense, categorical, labels))`` of the ``ctr`` demo on the CPU, for ``erase-fx explain``."""
+    """``(model, (dense, categorical, labels))`` of the ``ctr`` demo on the CPU.
+
+    For ``erase-fx explain erase_fx.demo:ctr_factory``.
+    """
     workload = ctr_workload(torch.device("cpu"), seed=0)
     return workload.model, workload.sample(torch.Generator().manual_seed(0))
+
+
+def build_seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` with its weights drawn from ``seed``; torch's global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -442,9 +465,12 @@ class Trainee:
         return _synchronized_since(start, device)
 
     def median_step_seconds(self) -> float:
-        """Median step time, leaving out the warm-up steps when there are others."""
-        timed = self.step_seconds[WARMUP_STEPS:] or self.step_seconds[1:] or self.step_seconds
-        return statistics.median(timed)
+        """Median step time, leaving out the warm-up steps when there are others.
+
+        NaN with a single step: it compiles, so it is no measure of a step.
+        """
+        timed = self.step_seconds[WARMUP_STEPS:] or self.step_seconds[1:]
+        return statistics.median(timed) if timed else math.nan
 
 
 def _synchronized_since(start: float, device: torch.device) -> float:
@@ -454,7 +480,7 @@ def _synchronized_since(start: float, device: torch.device) -> float:
 
 
 def make_trainees(model: nn.Module, inner: str) -> tuple[Trainee, Trainee]:
-    """An eager copy and an erase copy of ``model``, with the same weights and optimizer settings."""
+    """An eager and an erase copy of ``model``: same weights, same optimizer settings."""
     eager_model = copy.deepcopy(model)
     erase_model = copy.deepcopy(model)
     compiled = torch.compile(erase_model, backend="erase", options={"inner": inner})
@@ -487,7 +513,7 @@ class GradientDiff:
 
 
 def compare_gradients(eager: nn.Module, erase: nn.Module) -> GradientDiff:
-    """The gradient difference over all parameters; a gradient missing on one side only is infinite."""
+    """The gradient difference over all parameters (infinite if one side lacks a gradient)."""
     max_abs, max_rel, worst = 0.0, 0.0, ""
     erase_params = dict(erase.named_parameters())
     for name, param in eager.named_parameters():
@@ -519,32 +545,37 @@ class WorkloadResult:
     @property
     def compile_seconds(self) -> float:
         """The erase copy's first step (compilation included) less a typical step."""
-        return self.erase.step_seconds[0] - self.erase.median_step_seconds()
+        typical = self.erase.median_step_seconds()
+        return self.erase.step_seconds[0] - (0.0 if math.isnan(typical) else typical)
 
 
 def run_workload(
     workload: Workload, steps: int, inner: str, device: torch.device, seed: int,
     say: Callable[[str], None],
 ) -> WorkloadResult:
-    """Train an eager and an erase copy of the workload's model side by side."""
+    """Train an eager and an erase copy of the workload's model side by side.
+
+    Both copies see the same batches, drawn from a generator seeded
+    ``seed + TRAIN_SEED_OFFSET``. The first step compiles the erase copy and
+    compares its gradients with eager's, before either optimizer steps.
+    """
     eager, erase = make_trainees(workload.model, inner)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + TRAIN_SEED_OFFSET)
     curve_every = max(1, steps // CURVE_ROWS)
-    reports: list[GraphReport] = []
-    gradient_diff = None
     for step in range(1, steps + 1):
         batch = to_device(workload.sample(generator), device)
         eager_seconds = eager.compute_gradients(batch, device)
         if step == 1:
-            say(f"compiling the erase copy (backend='erase', inner={inner!r}) ...")
-            with erase_fx.collect_reports() as reports:
-                erase_seconds = erase.compute_gradients(batch, device)
-            say(f"compiled: {len(reports)} graph(s); first step {erase_seconds:.2f} s "
-                "(compilation included)")
-            for report in reports:
-                say(format_report(report))
-            gradient_diff = compare_gradients(eager.module, erase.module)
-            say(_describe_gradient_diff(gradient_diff))
+            erase_seconds, reports = compile_and_compute_gradients(
+                erase, batch, device, inner, say
+            )
+            reference = stock_reference(workload.model, inner, batch, say)
+            gradient_diff = compare_gradients(reference or eager.module, erase.module)
+            say(_describe_gradient_diff(gradient_diff, "stock " + inner if reference else "eager"))
+            if reference is not None:
+                say(f"  (for reference, stock {inner} vs eager: max rel diff "
+                    f"{compare_gradients(eager.module, reference).max_rel:.3g}: the inner "
+                    "compiler's own rounding)")
             say(_curve_header())
         else:
             erase_seconds = erase.compute_gradients(batch, device)
@@ -555,18 +586,47 @@ def run_workload(
     with torch.no_grad():
         eager_metric = workload.score(eager.module, workload.eval_batch)
         erase_metric = workload.score(erase.module, workload.eval_batch)
-    assert gradient_diff is not None  # steps >= 1
-    return WorkloadResult(workload, tuple(reports), gradient_diff, eager, erase,
+    return WorkloadResult(workload, reports, gradient_diff, eager, erase,
                           eager_metric, erase_metric)
+
+
+def stock_reference(
+    model: nn.Module, inner: str, batch: Batch, say: Callable[[str], None]
+) -> nn.Module | None:
+    """For Inductor, a copy trained one step with stock ``torch.compile`` (None otherwise).
+
+    Inductor's fused kernels round differently from eager (and a ReLU that
+    flips amplifies it), so erase with Inductor is held to what stock
+    Inductor computes; ``aot_eager`` and ``eager`` compute what eager does.
+    """
+    if inner != "inductor":
+        return None
+    say("compiling a stock Inductor copy as the gradient reference ...")
+    reference = copy.deepcopy(model)
+    torch.compile(reference, backend="inductor")(*batch).backward()
+    return reference
+
+
+def compile_and_compute_gradients(
+    erase: Trainee, batch: Batch, device: torch.device, inner: str, say: Callable[[str], None]
+) -> tuple[float, tuple[GraphReport, ...]]:
+    """The erase copy's first step, which compiles it; prints and returns erase_fx's reports."""
+    say(f"compiling the erase copy (backend='erase', inner={inner!r}) ...")
+    with erase_fx.collect_reports() as reports:
+        seconds = erase.compute_gradients(batch, device)
+    say(f"compiled: {len(reports)} graph(s); first step {seconds:.2f} s (compilation included)")
+    for report in reports:
+        say(format_report(report))
+    return seconds, tuple(reports)
 
 
 # -- output --------------------------------------------------------------------
 
 
-def _describe_gradient_diff(diff: GradientDiff) -> str:
+def _describe_gradient_diff(diff: GradientDiff, reference: str) -> str:
     verdict = "OK" if diff.ok else f"MISMATCH (worst: {diff.worst_param})"
     return (
-        f"step-1 gradients, erase vs eager: max abs diff {diff.max_abs:.3g}, max rel diff "
+        f"step-1 gradients, erase vs {reference}: max abs diff {diff.max_abs:.3g}, max rel diff "
         f"{diff.max_rel:.3g} (tolerance {GRAD_RTOL:g}): {verdict}"
     )
 
@@ -585,16 +645,23 @@ def _curve_row(step: int, eager_loss: float, erase_loss: float) -> str:
 def describe_result(result: WorkloadResult) -> list[str]:
     """The lines printed after a model's training."""
     metric = result.workload.metric
+    steps = len(result.erase.step_seconds)
+    lines = [
+        f"final eval {metric}: eager {result.eager_metric:.4f}, erase {result.erase_metric:.4f}"
+    ]
+    if steps < 2:
+        lines.append(f"compilation and first step {result.compile_seconds:.2f} s (one step: "
+                     "no step time to report)")
+        return lines
     eager_ms = 1e3 * result.eager.median_step_seconds()
     erase_ms = 1e3 * result.erase.median_step_seconds()
-    steps = len(result.erase.step_seconds)
-    first_timed = WARMUP_STEPS + 1 if steps > WARMUP_STEPS else min(2, steps)
-    return [
-        f"final eval {metric}: eager {result.eager_metric:.4f}, erase {result.erase_metric:.4f}",
+    first_timed = WARMUP_STEPS + 1 if steps > WARMUP_STEPS else 2
+    lines.append(
         f"median step time (steps {first_timed}-{steps}): eager {eager_ms:.2f} ms, "
         f"erase {erase_ms:.2f} ms (erase/eager {erase_ms / eager_ms:.2f}x); "
-        f"compilation {result.compile_seconds:.2f} s",
-    ]
+        f"compilation {result.compile_seconds:.2f} s"
+    )
+    return lines
 
 
 def summarize(results: Sequence[WorkloadResult]) -> list[str]:
@@ -608,7 +675,8 @@ def summarize(results: Sequence[WorkloadResult]) -> list[str]:
             f"{r.gradient_diff.max_rel:.2g} {'ok' if r.gradient_diff.ok else 'MISMATCH'}",
             f"{r.eager.losses[-1]:.4f} / {r.erase.losses[-1]:.4f}",
             f"{r.workload.metric} {r.eager_metric:.4f} / {r.erase_metric:.4f}",
-            f"{1e3 * r.eager.median_step_seconds():.2f} / {1e3 * r.erase.median_step_seconds():.2f}",
+            f"{1e3 * r.eager.median_step_seconds():.2f} / "
+            f"{1e3 * r.erase.median_step_seconds():.2f}",
             f"{r.compile_seconds:.2f}",
         )
         for r in results
@@ -657,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "aot_eager on CPU)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights and the data (default: 0)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads during the run (default: 1 on CPU, "
+                        "torch's default on CUDA)")
     parser.add_argument("--quiet", action="store_true",
                         help="print only the closing summary")
     return parser
@@ -674,29 +745,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--device: {error}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
+    threads = args.threads if args.threads is not None else default_threads(device)
+    if threads is not None and threads < 1:
+        parser.error("--threads must be at least 1")
     inner = args.inner or default_inner(device)
     say = _silent if args.quiet else _print
 
     say(f"erase_fx demo: device {device}, inner compiler {inner}, {args.steps} steps, "
-        f"seed {args.seed}")
+        f"seed {args.seed}, {threads or torch.get_num_threads()} CPU thread(s)")
     if device.type != "cuda":
         say("(side streams are virtual off CUDA: segments run in program order, so no "
             "speed-up is expected; the demo checks exactness and shows the schedule)")
     names = list(WORKLOADS) if args.model == "all" else [args.model]
     results = []
-    for name in names:
-        workload = WORKLOADS[name](device, args.seed)
-        say("")
-        say(f"== {name}: {workload.title} ==")
-        result = run_workload(workload, args.steps, inner, device, args.seed, say)
-        for line in describe_result(result):
-            say(line)
-        results.append(result)
+    with intra_op_threads(threads):
+        for name in names:
+            workload = WORKLOADS[name](device, args.seed)
+            say("")
+            say(f"== {name}: {workload.title} ==")
+            result = run_workload(workload, args.steps, inner, device, args.seed, say)
+            for line in describe_result(result):
+                say(line)
+            results.append(result)
     say("")
     say("== summary ==")
     for line in summarize(results):
         print(line)
     return 0 if all(r.gradient_diff.ok for r in results) else 1
+
+
+def default_threads(device: torch.device) -> int | None:
+    """One intra-op thread on CPU; torch's default (None) on CUDA.
+
+    NB: the demo's CPU tensors are small, and torch's OpenMP threads spin at
+    barriers: when the cores are shared (a CI runner, a laptop), a step then
+    takes 10-100x its usual time now and then, which would swamp the timing.
+    """
+    return 1 if device.type == "cpu" else None
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block (unchanged for None)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _print(line: str) -> None:

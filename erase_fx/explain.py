@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,7 +11,12 @@ from erase_fx.backend import make_backend
 from erase_fx.report import GraphReport, collect_reports
 
 
-def explain(model: Any, *example_args: Any, **example_kwargs: Any) -> list[GraphReport]:
+def explain(
+    model: Any,
+    *example_args: Any,
+    erase_options: Mapping[str, Any] | None = None,
+    **example_kwargs: Any,
+) -> list[GraphReport]:
     """Compile ``model`` on the example inputs and return one report per compiled graph.
 
     Runs one forward of a deep copy of the model (so the model itself, its
@@ -22,9 +28,13 @@ def explain(model: Any, *example_args: Any, **example_kwargs: Any) -> list[Graph
     Each `GraphReport` lists the early blocks (parameters, ready point,
     stream, node count, estimated FLOPs) and the components left in the
     backward, with the reason.
+
+    ``erase_options`` are `EraseConfig` fields (e.g. ``{"streams": 2}``);
+    every other keyword argument goes to the model.
     """
     subject = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
-    compiled = torch.compile(subject, backend=make_backend(inner="aot_eager"))
+    options = {"inner": "aot_eager", **(erase_options or {})}
+    compiled = torch.compile(subject, backend=make_backend(**options))
     with collect_reports() as reports, torch.enable_grad():
         compiled(*example_args, **example_kwargs)
     return list(reports)

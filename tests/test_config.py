@@ -9,7 +9,7 @@ from erase_fx import EraseConfig, EraseOptionError
 def test_defaults_are_documented_values():
     cfg = EraseConfig()
     assert (cfg.streams, cfg.inner, cfg.partitioner, cfg.seed, cfg.cudagraphs, cfg.dump_dir,
-            cfg.on_error) == (4, "inductor", "min_cut", 1.0, False, None, "fallback")
+            cfg.on_error) == (4, "inductor", "min_cut", 1.0, None, None, "fallback")
 
 
 def test_every_field_is_documented_in_the_docstring():

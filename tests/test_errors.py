@@ -133,7 +133,7 @@ def test_segment_failure_falls_back_to_one_stream_with_early_grads_kept(monkeypa
     ({"on_error": "ignore"}, "'fallback', 'raise'"),
     ({"seed": 0.0}, "seed=0.0"),
     ({"partitioner": "greedy"}, "'min_cut', 'default'"),
-    ({"cudagraphs": True}, "not supported"),
+    ({"cudagraphs": "yes"}, "cudagraphs=.yes."),
     ({"stream": 2}, r"unknown option\(s\) 'stream'.*streams \(default 4\)"),
 ])
 def test_bad_options_are_rejected_with_the_allowed_values(options, match):

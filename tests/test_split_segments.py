@@ -2,7 +2,6 @@
 import re
 
 import pytest
-import torch
 
 from erase_fx.config import EraseConfig
 from erase_fx.passes import MAIN_STREAM

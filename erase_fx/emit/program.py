@@ -26,6 +26,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from erase_fx.emit.inner import BoxedCallable
@@ -60,8 +61,6 @@ class Step:
 class StreamProgram:
     """A compiled multi-stream forward, with AOTAutograd's boxed calling convention."""
 
-    _boxed_call = True
-
     def __init__(
         self,
         steps: tuple[Step, ...],
@@ -70,6 +69,9 @@ class StreamProgram:
         results: tuple[tuple[str, Any], ...],
         streams: StreamOps,
     ):
+        # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
+        # the instance __dict__, not class attributes, and AOT reads this flag.
+        self._boxed_call = True
         self.steps = steps
         self.num_inputs = num_inputs
         self.num_slots = num_slots
@@ -138,14 +140,24 @@ class StreamProgram:
         env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         streams = self.streams
+        # NB: under CUDA graph capture nothing is freed before the join: freeing
+        # there let the capture hand memory a side stream still read to other
+        # work (wrong early grads on an H200, torch 2.11); the graph's memory
+        # is allocated once anyway.
+        free = not (self.side_streams and _capturing())
         for step in self.steps:
             inputs = [env[i] for i in step.inputs]
             outputs = streams.run(step.stream, step.fn, inputs)
             for slot, value in zip(step.outputs, outputs):
                 if slot >= 0:
                     env[slot] = value
-            for slot in step.frees:
-                env[slot] = None
+            if free:
+                for slot in step.frees:
+                    env[slot] = None
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -52,17 +52,26 @@ class CudaStreams:
     def __init__(self, device: torch.device, num_side_streams: int):
         self.device = device
         self.side = side_streams(device, num_side_streams)
+        self.held: list[torch.Tensor] = []
 
     def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]:
         if stream == MAIN_STREAM:
             return fn(inputs)
         side = self.side[stream - 1]
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        main = torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        # NB: the caching allocator must not hand an input's memory to main-stream
+        # work while this side stream may still read it. Outside capture,
+        # record_stream says so. Under CUDA graph capture the inputs are held
+        # until the join instead: memory freed during capture is not guarded
+        # by stream uses (seen as a race on an H200, torch 2.11).
+        capturing = torch.cuda.is_current_stream_capturing()
         for value in inputs:
-            # NB: the caching allocator must not reuse an input's memory for
-            # main-stream work while this side stream may still read it.
             if isinstance(value, torch.Tensor) and value.is_cuda:
-                value.record_stream(side)
+                if capturing:
+                    self.held.append(value)
+                else:
+                    value.record_stream(side)
         with torch.cuda.stream(side):
             return fn(inputs)
 
@@ -70,6 +79,9 @@ class CudaStreams:
         main = torch.cuda.current_stream(self.device)
         for stream in streams:
             main.wait_stream(self.side[stream - 1])
+        self.held.clear()  # the main stream is now ordered after every side read
+        if torch.cuda.is_current_stream_capturing():
+            return  # outputs of a captured forward live in the graph's own memory
         for value in side_outputs:
             if isinstance(value, torch.Tensor) and value.is_cuda:
                 value.record_stream(main)

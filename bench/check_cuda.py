@@ -1,0 +1,294 @@
+"""CUDA checks of the erase backend, with a small timing table: ``python -m bench.check_cuda``.
+
+1. gradient parity with eager (tf32 off) for each inner compiler, fresh
+   random inputs every step, every parameter;
+2. a stress run: the multi-stream program against the same program on one
+   stream, deterministic algorithms on, bit-identical gradients required
+   at every step (a difference is a race);
+3. step time (CUDA events, median of trials), side by side, of eager,
+   inductor, reduce-overhead, inductor with the whole step in one CUDA graph,
+   and erase without and with CUDA graphs (4 side streams, and 1 stream).
+
+Prints a table last. Needs a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import erase_fx
+import erase_fx.compilation
+from bench.models import ChainConfig, DetachedChain, make_inputs
+from erase_fx.emit import VirtualStreams
+
+# NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def grads_of(model):
+    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def max_rel_err(reference, candidate):
+    worst = 0.0
+    for r, c in zip(reference, candidate):
+        if r is None or c is None:
+            if (r is None) != (c is None):
+                return float("inf")
+            continue
+        worst = max(worst, ((c - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def compile_erase(model, **options):
+    return torch.compile(model, backend="erase", options={"on_error": "raise", **options})
+
+
+class OneStream:
+    """Run erase's program with every segment on the current stream (the no-overlap baseline)."""
+
+    def __enter__(self):
+        self.saved = erase_fx.compilation.CudaStreams
+        erase_fx.compilation.CudaStreams = lambda device, n: VirtualStreams()
+
+    def __exit__(self, *exc):
+        erase_fx.compilation.CudaStreams = self.saved
+
+
+def check_parity(cfg, options, steps, device, control=False):
+    """Max relative grad error against eager over ``steps`` fresh batches (tf32 off).
+
+    ``control=True`` measures stock ``torch.compile`` instead: the error any
+    Inductor compile has against eager, for comparison.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch._dynamo.reset()
+    eager = DetachedChain(cfg).to(device)
+    other = copy.deepcopy(eager)
+    if options.get("inner") == "inductor":
+        # NB: Inductor's fused kernels differ from eager by rounding, and a
+        # ReLU that flips amplifies it; erase with Inductor is held to stock
+        # Inductor's gradients instead.
+        eager_fn = torch.compile(eager)
+    else:
+        eager_fn = eager
+    compiled = torch.compile(other) if control else compile_erase(other, **options)
+    worst = 0.0
+    with erase_fx.collect_reports() as reports:
+        for _ in range(steps):
+            inputs = make_inputs(cfg, device)
+            eager.zero_grad(set_to_none=True)
+            other.zero_grad(set_to_none=True)
+            eager_fn(*inputs).backward()
+            compiled(*inputs).backward()
+            worst = max(worst, max_rel_err(grads_of(eager), grads_of(other)))
+    blocks = sum(len(r.blocks) for r in reports)
+    return worst, blocks
+
+
+def check_two_forwards(cfg, device):
+    """Two forwards, then one backward of their sum, with CUDA graphs on, vs stock Inductor."""
+    torch._dynamo.reset()
+    eager = DetachedChain(cfg).to(device)
+    other = copy.deepcopy(eager)
+    compiled = compile_erase(other, inner="inductor", cudagraphs=True)
+    stock = torch.compile(eager)
+    worst = 0.0
+    for step in range(4):
+        first, second = make_inputs(cfg, device), make_inputs(cfg, device)
+        eager.zero_grad(set_to_none=True)
+        other.zero_grad(set_to_none=True)
+        if step % 2:
+            (stock(*first) + stock(*second)).backward()
+            (compiled(*first) + compiled(*second)).backward()
+        else:
+            stock(*first).backward()
+            compiled(*first).backward()
+        worst = max(worst, max_rel_err(grads_of(eager), grads_of(other)))
+    return worst
+
+
+def stress(cfg, steps, device, graphs):
+    """Multi-stream vs one-stream program, deterministic: any difference is a race."""
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        torch._dynamo.reset()
+        base = DetachedChain(cfg).to(device)
+        multi_model, single_model = copy.deepcopy(base), copy.deepcopy(base)
+        multi = compile_erase(multi_model, inner="inductor", cudagraphs=graphs)
+        with OneStream():
+            single = compile_erase(single_model, inner="inductor", cudagraphs=graphs)
+            single(*make_inputs(cfg, device))  # compile under the one-stream driver
+        differing = 0
+        generator = torch.Generator(device=device).manual_seed(0)
+        for _ in range(steps):
+            inputs = make_inputs(cfg, device, generator)
+            for model, fn in ((multi_model, multi), (single_model, single)):
+                model.zero_grad(set_to_none=True)
+                fn(*inputs).backward()
+            for a, b in zip(multi_model.parameters(), single_model.parameters()):
+                if a.grad is not None and not torch.equal(a.grad, b.grad):
+                    differing += 1
+                    break
+        return differing
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def time_steps(step, trials, steps_per_trial, warmup):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps_per_trial):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps_per_trial)
+    return statistics.median(times), min(times), max(times)
+
+
+def whole_step_graph(model, fn, inputs):
+    """The whole training step (forward and backward) captured in one CUDA graph."""
+    static = [t.clone() for t in inputs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            fn(*static).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        fn(*static).backward()
+
+    def step():
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+
+    return step
+
+
+VARIANTS = {
+    "eager": lambda m: m,
+    "inductor": lambda m: torch.compile(m),
+    "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
+    "inductor+graph": "whole-step",
+    "erase": lambda m: compile_erase(m, inner="inductor", cudagraphs=False),
+    "erase+graphs": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
+    "erase+graphs-1stream": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
+    "erase+wholestep": "whole-step",
+}
+
+
+def timing(cfg, device, trials, steps_per_trial, variants):
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    base = DetachedChain(cfg).to(device)
+    inputs = make_inputs(cfg, device)
+    rows = []
+    for name in variants:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        one_stream = OneStream() if "1stream" in name else contextlib.nullcontext()
+        start = time.perf_counter()
+        with one_stream:
+            if name == "inductor+graph":
+                step = whole_step_graph(model, torch.compile(model), inputs)
+            elif name == "erase+wholestep":
+                step = whole_step_graph(
+                    model, compile_erase(model, inner="inductor", cudagraphs=False), inputs)
+            else:
+                fn = VARIANTS[name](model)
+
+                def step(fn=fn, model=model):
+                    model.zero_grad(set_to_none=True)
+                    fn(*inputs).backward()
+
+                step()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
+            torch.cuda.reset_peak_memory_stats()
+            median, low, high = time_steps(step, trials, steps_per_trial, warmup=5)
+        peak = torch.cuda.max_memory_allocated()
+        rows.append((str(cfg), name, median, low, high, compile_s, peak))
+        print(f"  {cfg} {name:22s} {median:7.3f} ms (min {low:.3f}, max {high:.3f}), "
+              f"compile {compile_s:.1f} s, peak {peak / 2**20:.0f} MiB", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="ctr:1024:512:1024:6,mlp:512:1024:2048:6,"
+                        "mlp:128:2000:2000:4,ctr:4096:1024:2048:6")
+    parser.add_argument("--parity-config", default="mlp:256:512:1024:4")
+    parser.add_argument("--parity-steps", type=int, default=3)
+    parser.add_argument("--stress-steps", type=int, default=200)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--steps-per-trial", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
+    failures = 0
+
+    parity_cfg = ChainConfig.parse(args.parity_config)
+    control, _ = check_parity(parity_cfg, {}, args.parity_steps, device, control=True)
+    print(f"parity {parity_cfg} stock torch.compile (control): max rel grad err {control:.2e}",
+          flush=True)
+    for options in ({"inner": "aot_eager", "cudagraphs": False},
+                    {"inner": "aot_eager", "cudagraphs": True},
+                    {"inner": "inductor", "cudagraphs": False},
+                    {"inner": "inductor", "cudagraphs": True}):
+        err, blocks = check_parity(parity_cfg, options, args.parity_steps, device)
+        limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
+        ok = err <= limit and blocks == parity_cfg.stages - 1
+        failures += not ok
+        reference = "stock inductor" if options["inner"] == "inductor" else "eager"
+        print(f"parity {parity_cfg} {options}: {blocks} early blocks, max rel grad err vs "
+              f"{reference} "
+              f"{err:.2e} (limit {limit:.1e}) {'OK' if ok else 'FAIL'}", flush=True)
+    err = check_two_forwards(parity_cfg, device)
+    ok = err <= 1e-4
+    failures += not ok
+    print(f"two forwards then one backward, CUDA graphs on: max rel grad err {err:.2e} "
+          f"{'OK' if ok else 'FAIL'}", flush=True)
+
+    for graphs in (False, True):
+        if not args.stress_steps:
+            break
+        differing = stress(parity_cfg, args.stress_steps, device, graphs)
+        failures += differing > 0
+        print(f"stress {parity_cfg} cudagraphs={graphs}: {args.stress_steps} steps, {differing} "
+              f"with any grad bit differing between 4 streams and 1 stream "
+              f"{'OK' if not differing else 'RACE'}", flush=True)
+
+    rows = []
+    for text in args.configs.split(","):
+        rows += timing(ChainConfig.parse(text), device, args.trials, args.steps_per_trial,
+                       args.variants.split(","))
+    print("\n| config | variant | ms median | min | max | vs inductor+graph | peak MiB |")
+    print("|---|---|---|---|---|---|---|")
+    base = {r[0]: r[2] for r in rows if r[1] == "inductor+graph"}
+    for config, name, median, low, high, _, peak in rows:
+        ratio = f"{median / base[config]:.2f}x" if config in base else "-"
+        print(f"| {config} | {name} | {median:.3f} | {low:.3f} | {high:.3f} | {ratio} | "
+              f"{peak / 2**20:.0f} |")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

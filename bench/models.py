@@ -1,0 +1,132 @@
+"""Benchmark models: chains of K detached stages with local losses.
+
+Each stage is ``Linear(d,h)-ReLU-Linear(h,h)-ReLU-Linear(h,d)-LayerNorm(d)``
+with a local head ``Linear(d, out)``; stage k+1 reads stage k's output
+detached; the loss is the sum of the local losses. A front end feeds stage 0
+(not detached, so it trains through stage 0's loss):
+
+- ``ctr``: one ``Embedding(26 * 50000, 64)`` holding all 26 categorical
+  fields (per-field offsets), a bottom MLP ``13-512-256-64`` on the dense
+  features, and a projection ``27 * 64 -> d``; BCE-with-logits heads on a
+  click label.
+- ``mlp``: ``Linear(784, d)``; 10-class cross-entropy heads.
+
+A config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CTR_FIELDS = 26
+CTR_DENSE = 13
+CTR_ROWS_PER_FIELD = 50_000
+CTR_EMBED = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainConfig:
+    kind: str  # "ctr" | "mlp"
+    batch: int
+    d: int
+    h: int
+    stages: int
+
+    @classmethod
+    def parse(cls, text: str) -> ChainConfig:
+        kind, *numbers = text.split(":")
+        if kind not in ("ctr", "mlp") or len(numbers) != 4:
+            raise ValueError(f"config {text!r} is not kind:B:d:h:K with kind ctr or mlp")
+        return cls(kind, *(int(n) for n in numbers))
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.batch}:{self.d}:{self.h}:{self.stages}"
+
+
+class Stage(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(d, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, d), nn.LayerNorm(d)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class CtrFront(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.embedding = nn.Embedding(CTR_FIELDS * CTR_ROWS_PER_FIELD, CTR_EMBED)
+        self.register_buffer(
+            "offsets", torch.arange(CTR_FIELDS) * CTR_ROWS_PER_FIELD, persistent=False
+        )
+        self.bottom = nn.Sequential(
+            nn.Linear(CTR_DENSE, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+            nn.Linear(256, CTR_EMBED), nn.ReLU(),
+        )
+        self.projection = nn.Linear((CTR_FIELDS + 1) * CTR_EMBED, d)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        embedded = self.embedding(sparse + self.offsets)  # [B, 26, 64]
+        features = torch.cat([self.bottom(dense).unsqueeze(1), embedded], dim=1)
+        return self.projection(features.flatten(1))
+
+
+class DetachedChain(nn.Module):
+    """A front end, then K stages, each with a local head; stage inputs detached."""
+
+    def __init__(self, cfg: ChainConfig, detach: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.detach = detach
+        self.front = CtrFront(cfg.d) if cfg.kind == "ctr" else nn.Linear(784, cfg.d)
+        out = 1 if cfg.kind == "ctr" else 10
+        self.stages = nn.ModuleList(Stage(cfg.d, cfg.h) for _ in range(cfg.stages))
+        self.heads = nn.ModuleList(nn.Linear(cfg.d, out) for _ in range(cfg.stages))
+
+    def local_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.cfg.kind == "ctr":
+            return F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels)
+        return F.cross_entropy(logits, labels)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        *features, labels = inputs
+        h = self.front(*features)
+        loss = None
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            local = self.local_loss(head(h), labels)
+            loss = local if loss is None else loss + local
+            if self.detach:
+                h = h.detach()
+        return loss
+
+
+def make_inputs(cfg: ChainConfig, device: torch.device, generator: torch.Generator | None = None):
+    """A fresh random batch: (dense, sparse, labels) for ctr, (pixels, labels) for mlp."""
+    b = cfg.batch
+    if cfg.kind == "ctr":
+        dense = torch.randn(b, CTR_DENSE, device=device, generator=generator)
+        sparse = torch.randint(0, CTR_ROWS_PER_FIELD, (b, CTR_FIELDS), device=device,
+                               generator=generator)
+        labels = torch.randint(0, 2, (b,), device=device, generator=generator).float()
+        return dense, sparse, labels
+    pixels = torch.randn(b, 784, device=device, generator=generator)
+    labels = torch.randint(0, 10, (b,), device=device, generator=generator)
+    return pixels, labels
+
+
+def step_flops(cfg: ChainConfig) -> int:
+    """Matrix FLOPs of one forward+backward step (3x the forward's multiply-adds x 2)."""
+    b, d, h = cfg.batch, cfg.d, cfg.h
+    out = 1 if cfg.kind == "ctr" else 10
+    stage = d * h + h * h + h * d + d * out
+    if cfg.kind == "ctr":
+        front = CTR_DENSE * 512 + 512 * 256 + 256 * CTR_EMBED + (CTR_FIELDS + 1) * CTR_EMBED * d
+    else:
+        front = 784 * d
+    return 6 * b * (front + cfg.stages * stage)
