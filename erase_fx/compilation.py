@@ -30,20 +30,19 @@ from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
-from erase_fx.errors import EraseError, EraseRuntimeError, UnsupportedBlockError
+from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
 from erase_fx.instruments import DumpInstrument, PassRunner, TimingInstrument
 from erase_fx.passes import (
     BlockAnalysis,
-    Role,
     assign_streams,
     find_stop_gradient_blocks,
-    get_meta,
     partition_joint_graph,
     schedule_early_backward,
     split_segments,
     stock_partition,
 )
 from erase_fx.passes.graph import is_tangent, primals
+from erase_fx.passes.node_meta import is_early
 from erase_fx.report import GraphReport
 
 log = logging.getLogger("erase_fx")
@@ -87,7 +86,7 @@ class GraphCompilation:
 
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         self._note_forward_metadata()
-        if not any(_is_early(n) for n in fw.graph.nodes):
+        if not any(is_early(n) for n in fw.graph.nodes):
             compiled = compile_graph(fw, example_inputs, self.cfg.inner)
         else:
             try:
@@ -227,7 +226,8 @@ class GraphCompilation:
     def finish(self) -> GraphReport:
         if self.dump is not None:
             self.dump.write_report(self.report)
-        log.info("erase_fx %s", self.report.summary())
+        log.info("erase_fx %s (erase_fx passes took %.0f ms)", self.report.summary(),
+                 1000 * sum(self.timing.seconds.values()))
         return self.report
 
     def guard_backward(self, outputs: Any) -> None:
@@ -259,11 +259,6 @@ class GraphCompilation:
             )
 
 
-def _is_early(node: fx.Node) -> bool:
-    meta = get_meta(node)
-    return meta is not None and meta.role is Role.EARLY_BACKWARD
-
-
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 _SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
 
@@ -293,5 +288,3 @@ def _source_name(node: fx.Node) -> str:
     local = _SOURCE_LOCAL.match(name)
     return local.group(1) if local else name
 
-
-__all__ = ["EraseError", "GraphCompilation", "input_names"]

@@ -7,8 +7,6 @@ shapes are evaluated at their example hints.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
@@ -25,10 +23,6 @@ def node_flops(node: fx.Node) -> int:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), val_of)
     flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
     return _concrete(flops)
-
-
-def total_flops(nodes: Iterable[fx.Node]) -> int:
-    return sum(node_flops(n) for n in nodes)
 
 
 def _concrete(value) -> int:

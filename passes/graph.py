@@ -6,7 +6,7 @@ placeholder names AOTAutograd gives the joint graph (``primals_*`` then
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,7 +106,3 @@ def call_with_val(
 
 def topo_positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def names(nodes: Iterable[fx.Node]) -> tuple[str, ...]:
-    return tuple(n.name for n in nodes)

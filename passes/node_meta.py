@@ -63,15 +63,6 @@ def update_meta(node: fx.Node, **changes) -> NodeMeta:
 
 
 def is_early(node: fx.Node) -> bool:
+    """Whether the node belongs to an early block's backward."""
     meta = get_meta(node)
     return meta is not None and meta.role is Role.EARLY_BACKWARD
-
-
-def block_of(node: fx.Node) -> int | None:
-    meta = get_meta(node)
-    return meta.block if meta is not None else None
-
-
-def stream_of(node: fx.Node) -> int | None:
-    meta = get_meta(node)
-    return meta.stream if meta is not None else None

@@ -156,9 +156,10 @@ def _name_and_box_segments(
         setattr(split, name, sub)
         call.target = name
         _box_outputs(graph, call, sub)
+        stream_of = {s.name: s.stream for s in segments}
         waits = sorted(
-            {producer[a] for a in _segment_inputs(call) if a in producer
-             and _stream_of_segment(segments, producer[a]) != stream}
+            {producer[a] for a in call.all_input_nodes
+             if a in producer and stream_of[producer[a]] != stream}
         )
         for user in call.users:
             producer[user] = name
@@ -170,14 +171,6 @@ def _name_and_box_segments(
             waits_for=tuple(waits),
         ))
     return tuple(segments)
-
-
-def _segment_inputs(call: fx.Node) -> list[fx.Node]:
-    return list(call.all_input_nodes)
-
-
-def _stream_of_segment(segments: list[Segment], name: str) -> int:
-    return next(s.stream for s in segments if s.name == name)
 
 
 def _box_outputs(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
