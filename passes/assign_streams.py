@@ -1,23 +1,43 @@
 """assign_streams: which stream each forward-graph node runs on.
 
-What: every forward node runs on the main stream (0); each early block runs
-on side stream ``1 + block % cfg.streams`` (round-robin in ready-point order,
-so consecutive blocks overlap each other as well as the forward). Every edge
-from a node on one stream to a node on another is a sync point, recorded in
-the consumer's ``NodeMeta.waits_for``; the output node (the join at the end
-of the forward) waits for every side-stream value it returns.
+What: each early block runs on side stream ``1 + block % cfg.streams``
+(round-robin in ready-point order, so consecutive blocks overlap each other
+as well as the forward), and so does the part of the forward only that block
+needs: its local head and loss. Everything else runs on the main stream (0).
+Main-stream nodes that read a side-stream value, such as the sum of the local
+losses, run *after the join* (``NodeMeta.after_join``): once the main stream
+has waited for the side streams. Every edge from a node on one stream to a
+node on another is a sync point, recorded in the consumer's
+``NodeMeta.waits_for``; the output node waits for every side-stream value it
+returns.
 
-Why the main stream keeps the forward: the forward is the critical path;
-early work only fills what it leaves idle. An early node that the main
-stream or another block reads (the stock partitioner's CSE can merge a
-block's ``t(w)`` with the forward's, or two blocks' seed constants) moves to
-the main stream, so the main stream never waits for a side stream before the
-join and blocks never wait for each other.
+Why: the main stream carries the critical path, stage to stage; a block's
+head, loss and backward are off it, so the next stage's forward starts as
+soon as the stage's output exists. Before::
+
+    main:   stage 0 -> head 0 -> loss 0 -> stage 1 -> head 1 -> loss 1 -> sum
+    side 1:                    block 0 backward
+
+After::
+
+    main:   stage 0 -> stage 1 -> ... -> join -> sum
+    side 1:        head 0 -> loss 0 -> block 0 backward
+    side 2:                   head 1 -> loss 1 -> block 1 backward
+
+A forward node joins block ``b`` only if every reader of it is a node of
+block ``b``, the output, or a node that only feeds the output through such
+nodes (the loss sum); an early node that the main stream or another block
+reads (the stock partitioner's CSE can merge a block's ``t(w)`` with the
+forward's, or two blocks' seed constants) moves to the main stream. So the
+main stream waits for side streams only at the join, and blocks never wait
+for each other.
 
 Invariants out (`check_stream_assignment`): a new module; every node but the
-output has a stream; a main-stream node reads only main-stream nodes; a side
-node reads only main-stream nodes and nodes of its own block; ``waits_for``
-lists exactly the inputs produced on another stream.
+output has a stream; a main-stream node reads side-stream values only if it
+runs after the join, and after-join nodes feed only after-join nodes and the
+output; a side node reads only main-stream nodes (not after the join) and
+nodes of its own block; ``waits_for`` lists exactly the inputs produced on
+another stream.
 """
 from __future__ import annotations
 
@@ -45,7 +65,34 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
     for node in nodes:
         meta = get_meta(node)
         owner[node] = meta.block if meta is not None and meta.role is Role.EARLY_BACKWARD else None
+    _move_shared_early_nodes_to_main(nodes, owner)
+    _pull_heads_into_blocks(nodes, owner)
 
+    after_join: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "output":
+            continue
+        block = owner[node]
+        if block is None:
+            late = any(owner[a] is not None or a in after_join for a in node.all_input_nodes)
+            if late:
+                after_join.add(node)
+            set_meta(node, NodeMeta(Role.FORWARD, stream=MAIN_STREAM, after_join=late))
+        elif get_meta(node) is not None and get_meta(node).role is Role.EARLY_BACKWARD:
+            update_meta(node, stream=stream_of_block(block, cfg))
+        else:
+            set_meta(node, NodeMeta(Role.FORWARD, block=block, stream=stream_of_block(block, cfg)))
+    for node in nodes:
+        consumer = MAIN_STREAM if node.op == "output" else get_meta(node).stream
+        waits = tuple(a.name for a in node.all_input_nodes if get_meta(a).stream != consumer)
+        update_meta(node, stream=None if node.op == "output" else consumer, waits_for=waits)
+    new_gm.recompile()
+    check_stream_assignment(new_gm)
+    return PassResult(new_gm, modified=True)
+
+
+def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict) -> None:
+    """An early node read by the main stream or another block moves to main, with its inputs."""
     # NB: reverse order, so that a node moved to the main stream moves its own
     # inputs too when they are visited later.
     for node in reversed(nodes):
@@ -55,21 +102,43 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
             if owner[arg] is not None and owner[arg] != owner[node]:
                 owner[arg] = None
 
-    for node in nodes:
-        if node.op == "output":
+
+def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
+    """Forward nodes only one block needs (its head and local loss) join that block."""
+    returned = _returned_to_the_user(nodes[-1])
+    if returned is None:
+        return  # NB: without output descriptors, nothing moves: the safe schedule
+    # Nodes that only feed what the forward returns to the user (the loss
+    # sum), not tensors saved for the backward: they may run after the join.
+    feeds_output_only: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op == "call_function" and owner[node] is None and node.users and all(
+            (user.op == "output" and node in returned) or user in feeds_output_only
+            for user in node.users
+        ):
+            feeds_output_only.add(node)
+    # NB: reverse order: a node's readers are decided before the node.
+    for node in reversed(nodes):
+        if node.op != "call_function" or owner[node] is not None or node.is_impure():
             continue
-        block = owner[node]
-        if block is None:
-            set_meta(node, NodeMeta(Role.FORWARD, stream=MAIN_STREAM))
-        else:
-            update_meta(node, stream=stream_of_block(block, cfg))
-    for node in nodes:
-        consumer = MAIN_STREAM if node.op == "output" else get_meta(node).stream
-        waits = tuple(a.name for a in node.all_input_nodes if get_meta(a).stream != consumer)
-        update_meta(node, stream=None if node.op == "output" else consumer, waits_for=waits)
-    new_gm.recompile()
-    check_stream_assignment(new_gm)
-    return PassResult(new_gm, modified=True)
+        blocks = {owner[user] for user in node.users if owner.get(user) is not None}
+        if len(blocks) != 1:
+            continue
+        if all(owner.get(user) is not None or user.op == "output" or user in feeds_output_only
+               for user in node.users):
+            owner[node] = blocks.pop()
+
+
+def _returned_to_the_user(output: fx.Node) -> set[fx.Node] | None:
+    """The output values that are forward returns, not saved for the backward (None: unknown)."""
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    descs = output.meta.get("desc")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    if descs is None or len(descs) != len(values):
+        return None
+    return {v for v, d in zip(values, descs)
+            if isinstance(v, fx.Node) and not isinstance(d, SavedForBackwardsAOTOutput)}
 
 
 def check_stream_assignment(gm: fx.GraphModule) -> None:
@@ -84,12 +153,15 @@ def check_stream_assignment(gm: fx.GraphModule) -> None:
         for arg in node.all_input_nodes:
             arg_meta = get_meta(arg)
             crosses = arg_meta.stream != meta.stream
-            if crosses and meta.stream != 0 and arg_meta.stream != 0:
+            if crosses and meta.stream != MAIN_STREAM and arg_meta.stream != MAIN_STREAM:
                 raise GraphInvariantError(PASS_NAME, "two side streams depend on each other",
                                           node=node.name)
-            if crosses and meta.stream == 0:
-                raise GraphInvariantError(PASS_NAME, "the main stream reads a side-stream value",
-                                          node=node.name)
+            if crosses and meta.stream == MAIN_STREAM and not meta.after_join:
+                raise GraphInvariantError(PASS_NAME, "the main stream reads a side-stream value "
+                                          "before the join", node=node.name)
+            if arg_meta.after_join and not meta.after_join:
+                raise GraphInvariantError(PASS_NAME, "a node reads an after-join value before "
+                                          "the join", node=node.name)
             if crosses != (arg.name in meta.waits_for):
                 raise GraphInvariantError(PASS_NAME, f"sync point missing for {arg.name}",
                                           node=node.name)

@@ -38,6 +38,9 @@ class NodeMeta:
         stream: the stream the node runs on, set by ``assign_streams``.
         waits_for: names of the node's inputs produced on another stream: a
             sync point the emitted program must honour before this node runs.
+        after_join: a main-stream node that reads side-stream values (the sum
+            of the local losses): it runs after the main stream has waited
+            for the side streams.
     """
 
     role: Role
@@ -45,6 +48,7 @@ class NodeMeta:
     grad_of: int | None = None
     stream: int | None = None
     waits_for: tuple[str, ...] = ()
+    after_join: bool = False
 
 
 def get_meta(node: fx.Node) -> NodeMeta | None:

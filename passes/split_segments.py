@@ -5,23 +5,25 @@ nodes on one stream that the emitter compiles as one unit, and returns the
 split module (torch's ``split_module``) whose top-level graph calls the
 segments in launch order, plus a `Segment` record for each.
 
-Order: main-stream nodes keep their order; each block's nodes form one
-segment, launched right after the main segment that ends with the block's
-launch point (the last main node it reads). So the main stream is cut only
-where a block becomes ready::
+Order: main-stream nodes keep their order; each block's nodes (its head,
+local loss and early backward) form one segment, launched right after the
+main segment that ends with the block's launch point (the last main node it
+reads); main nodes that run after the join (the loss sum) form the last
+segment. So the main stream is cut only where a block becomes ready::
 
-    seg_0_stream_0            forward up to block 0's ready point
-    seg_1_block_0_stream_1    block 0's early backward   (side stream 1)
-    seg_2_stream_0            forward up to block 1's ready point
-    seg_3_block_1_stream_2    block 1's early backward   (side stream 2)
-    seg_4_stream_0            rest of the forward
-    output                    join: the main stream waits for every side stream
+    seg_0_stream_0              stage 0 forward
+    seg_1_block_0_stream_1      head 0, loss 0, block 0's backward   (side stream 1)
+    seg_2_stream_0              stage 1 forward
+    seg_3_block_1_stream_2      head 1, loss 1, block 1's backward   (side stream 2)
+    seg_4_stream_0              the rest of the forward
+    seg_5_stream_0_after_join   waits for the side streams; the loss sum
+    output                      join: the main stream waits for every side stream
 
 Why a stable reorder first: the stock partitioner's CSE or min-cut may leave
 a block's nodes interleaved with forward nodes; moving them next to their
 launch point keeps one segment per block (fewer compiled calls) and is legal
-because a block reads nothing of the main stream after its launch point
-(assign_streams guarantees the main stream never reads a block).
+because a block reads nothing of the main stream after its launch point, and
+the main stream reads a block only after the join (assign_streams).
 
 Invariants out (`check_segments`): a new split module, computing the same
 outputs as the input; segments in topological order; every segment runs on
@@ -79,14 +81,14 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
     reordered = rebuild_in_order(gm, ordered)
 
     key_of: dict[str, str] = {}
-    segment_of_key: dict[str, tuple[int, int | None]] = {}
+    segment_of_key: dict[str, tuple[int, int | None, bool]] = {}
     index = -1
     previous = None
     for node in reordered.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         meta = get_meta(node)
-        group = (meta.stream, meta.block if meta.stream != MAIN_STREAM else None)
+        group = (meta.stream, meta.block if meta.stream != MAIN_STREAM else None, meta.after_join)
         if group != previous:
             index += 1
             previous = group
@@ -106,7 +108,7 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
 
 
 def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
-    """Main nodes in order; each block's nodes right after its launch point."""
+    """Main nodes in order; each block's nodes right after its launch point; after-join nodes last."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     block_nodes: dict[int, list[fx.Node]] = {}
@@ -119,6 +121,9 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
         # NB: a block that reads only graph inputs launches before any forward node.
         main_inputs = [a for a in node.all_input_nodes
                        if a.op != "placeholder" and get_meta(a).stream == MAIN_STREAM]
+        if any(get_meta(a).after_join for a in main_inputs):
+            raise GraphInvariantError(PASS_NAME, "a side node reads an after-join value",
+                                      node=node.name)
         launch = max((position[a] for a in main_inputs), default=-1)
         launch_after[meta.block] = max(launch_after.get(meta.block, -1), launch)
 
@@ -128,20 +133,24 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
     ordered = [n for n in nodes if n.op == "placeholder"]
     for block in launches.get(-1, []):
         ordered.extend(block_nodes[block])
+    after_join = []
     for node in nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "output"):
             continue
         meta = get_meta(node)
-        if node.op != "output" and meta.stream != MAIN_STREAM:
+        if meta.stream != MAIN_STREAM:
+            continue
+        if meta.after_join:
+            after_join.append(node)
             continue
         ordered.append(node)
         for block in launches.get(position[node], []):
             ordered.extend(block_nodes[block])
-    return ordered
+    return ordered + after_join + [n for n in nodes if n.op == "output"]
 
 
 def _name_and_box_segments(
-    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None]]
+    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None, bool]]
 ) -> tuple[Segment, ...]:
     """Give segments greppable names and make each return a tuple."""
     graph = split.graph
@@ -149,8 +158,11 @@ def _name_and_box_segments(
     segments: list[Segment] = []
     for k, call in enumerate([n for n in graph.nodes if n.op == "call_module"]):
         key = str(call.target).removeprefix("submod_")
-        stream, block = segment_of_key[key]
-        name = f"seg_{k}_stream_{stream}" if block is None else f"seg_{k}_block_{block}_stream_{stream}"
+        stream, block, after_join = segment_of_key[key]
+        if block is not None:
+            name = f"seg_{k}_block_{block}_stream_{stream}"
+        else:
+            name = f"seg_{k}_stream_{stream}" + ("_after_join" if after_join else "")
         sub = getattr(split, call.target)
         delattr(split, call.target)
         setattr(split, name, sub)

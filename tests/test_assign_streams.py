@@ -8,7 +8,7 @@ from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
-from graphs import Chain, Stages, chain_inputs
+from graphs import Chain, Stages, chain_inputs, targets
 
 aten = torch.ops.aten
 
@@ -32,7 +32,7 @@ def test_blocks_go_round_robin_over_side_streams(streams, expected):
     assert streams_by_block(stages.assigned.gm) == expected
 
 
-def test_forward_nodes_stay_on_the_main_stream_and_syncs_are_recorded():
+def test_syncs_are_recorded_on_every_cross_stream_edge():
     stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
     gm = stages.assigned.gm
     for node in gm.graph.nodes:
@@ -41,12 +41,29 @@ def test_forward_nodes_stay_on_the_main_stream_and_syncs_are_recorded():
             side_inputs = {a.name for a in node.all_input_nodes if get_meta(a).stream != MAIN_STREAM}
             assert side_inputs and set(meta.waits_for) == side_inputs
             continue
-        if meta.role is Role.FORWARD:
-            assert meta.stream == MAIN_STREAM
+        crossing = {a.name for a in node.all_input_nodes if get_meta(a).stream != meta.stream}
+        assert set(meta.waits_for) == crossing
+        if meta.stream == MAIN_STREAM and not meta.after_join:
             assert meta.waits_for == ()  # the main stream never waits before the join
-        else:
-            crossing = {a.name for a in node.all_input_nodes if get_meta(a).stream == MAIN_STREAM}
-            assert set(meta.waits_for) == crossing
+
+
+def test_heads_and_local_losses_run_on_their_block_stream_and_the_sum_after_the_join():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm = stages.assigned.gm
+    side_forward = {}
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if node.op != "output" and meta.role is Role.FORWARD and meta.block is not None:
+            side_forward.setdefault(meta.block, []).append(targets(gm, [node.name])[0])
+    # each early block's head (t, addmm) and loss (log_softmax, nll_loss) left the main stream
+    assert set(side_forward) == {0, 1}
+    for ops in side_forward.values():
+        assert {"addmm", "_log_softmax", "nll_loss_forward"} <= set(ops)
+        assert "native_layer_norm" not in ops  # the stage itself stays on the critical path
+    after_join = [n for n in gm.graph.nodes if n.op != "output" and get_meta(n).after_join]
+    assert "add" in targets(gm, [n.name for n in after_join])
+    # the last stage (not an early block) is not delayed to after the join
+    assert not any(targets(gm, [n.name])[0] == "native_layer_norm" for n in after_join)
 
 
 def test_an_early_node_the_main_stream_reads_moves_to_it_with_its_inputs():

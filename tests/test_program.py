@@ -18,7 +18,7 @@ def build(stages, trace=True):
     return StreamProgram.build(segmented, compiled, streams), streams
 
 
-def test_program_forks_each_side_step_and_joins_at_the_end():
+def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end():
     stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
     program, streams = build(stages)
     values = real_values(stages.fw)
@@ -26,6 +26,7 @@ def test_program_forks_each_side_step_and_joins_at_the_end():
     program(list(args))
     assert streams.trace == [
         ("run", 0), ("fork", 1), ("run", 1), ("run", 0), ("fork", 2), ("run", 2), ("run", 0),
+        ("wait", (1, 2)), ("run", 0),  # the loss sum, after the side streams
         ("join", (1, 2)),
     ]
 

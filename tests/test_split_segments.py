@@ -16,21 +16,22 @@ def chain():
 def test_blocks_launch_between_forward_segments(chain):
     segments = chain.segmented.segments
     assert [(s.stream, s.block) for s in segments] == [
-        (0, None), (1, 0), (0, None), (2, 1), (0, None),
+        (0, None), (1, 0), (0, None), (2, 1), (0, None), (0, None),
     ]
+    assert segments[-1].name.endswith("_after_join")
+    assert {chain.segmented.segment(w).stream for w in segments[-1].waits_for} == {1, 2}
     for segment in segments:
-        assert re.fullmatch(r"seg_\d+(_block_\d+)?_stream_\d+", segment.name)
+        assert re.fullmatch(r"seg_\d+(_block_\d+)?_stream_\d+(_after_join)?", segment.name)
 
 
 def test_block_segments_wait_for_the_main_segment_before_them(chain):
     segments = chain.segmented.segments
     for i, segment in enumerate(segments):
-        if segment.stream == MAIN_STREAM:
-            assert all(chain.segmented.segment(w).stream == MAIN_STREAM for w in segment.waits_for)
-            assert not any(chain.segmented.segment(w).stream != MAIN_STREAM for w in segment.waits_for)
-        else:
+        if segment.stream != MAIN_STREAM:
             assert segment.waits_for
             assert segment.waits_for[-1] == segments[i - 1].name
+        elif not segment.name.endswith("_after_join"):
+            assert all(chain.segmented.segment(w).stream == MAIN_STREAM for w in segment.waits_for)
 
 
 def test_every_segment_returns_a_tuple(chain):

@@ -48,6 +48,8 @@ class Step:
         inputs: slots of its arguments.
         outputs: for each output of the segment, the slot it goes to (-1: unused).
         frees: slots whose last reader is this step, cleared after it runs.
+        joins: for a main-stream step that reads side-stream values, the side
+            streams it waits for first.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     frees: tuple[int, ...]
+    joins: tuple[int, ...] = ()
 
 
 class StreamProgram:
@@ -124,6 +127,8 @@ class StreamProgram:
             for user in call.users:
                 outputs[user.args[1]] = slot[user]
             width = max(outputs, default=-1) + 1
+            joins = sorted({segmented.segment(w).stream for w in segment.waits_for}
+                           - {MAIN_STREAM}) if segment.stream == MAIN_STREAM else []
             steps.append(Step(
                 name=segment.name,
                 stream=segment.stream,
@@ -131,6 +136,7 @@ class StreamProgram:
                 inputs=tuple(slot[a] for a in call.args),
                 outputs=tuple(outputs.get(i, -1) for i in range(width)),
                 frees=tuple(s for s, last in last_reader.items() if last == k and s not in kept),
+                joins=tuple(joins),
             ))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams)
 
@@ -147,7 +153,7 @@ class StreamProgram:
         free = not (self.side_streams and _capturing())
         for step in self.steps:
             inputs = [env[i] for i in step.inputs]
-            outputs = streams.run(step.stream, step.fn, inputs)
+            outputs = streams.run(step.stream, step.fn, inputs, step.joins)
             for slot, value in zip(step.outputs, outputs):
                 if slot >= 0:
                     env[slot] = value

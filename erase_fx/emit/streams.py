@@ -1,9 +1,10 @@
 """What running a step on a stream means: CUDA streams, or virtual ones on CPU.
 
-`StreamOps.run(stream, fn, inputs)` runs one compiled segment on a stream;
-`StreamOps.join(streams, outputs)` ends a forward: the main stream waits for
-the side streams, and outputs made there become safe to use on the main
-stream.
+`StreamOps.run(stream, fn, inputs, joins)` runs one compiled segment on a
+stream (a main-stream segment first waits for the side streams in
+``joins``); `StreamOps.join(streams, outputs)` ends a forward: the main
+stream waits for the side streams, and outputs made there become safe to use
+on the main stream.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from erase_fx.passes import MAIN_STREAM
 
 
 class StreamOps(Protocol):
-    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]: ...
+    def run(
+        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
+    ) -> Sequence[Any]: ...
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None: ...
 
@@ -27,17 +30,21 @@ class VirtualStreams:
     """CPU: streams are labels; steps run in program order.
 
     With ``trace=True`` it records what a CUDA run would do, as
-    ``("run", stream)`` / ``("fork", stream)`` / ``("join", streams)`` tuples,
-    so tests on CPU can check the sync protocol.
+    ``("run", stream)`` / ``("fork", stream)`` / ``("wait", streams)`` /
+    ``("join", streams)`` tuples, so tests on CPU can check the sync protocol.
     """
 
     def __init__(self, trace: bool = False):
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
 
-    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]:
+    def run(
+        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
+    ) -> Sequence[Any]:
         if self.trace is not None:
             if stream != MAIN_STREAM:
                 self.trace.append(("fork", stream))
+            elif joins:
+                self.trace.append(("wait", tuple(joins)))
             self.trace.append(("run", stream))
         return fn(inputs)
 
@@ -54,11 +61,15 @@ class CudaStreams:
         self.side = side_streams(device, num_side_streams)
         self.held: list[torch.Tensor] = []
 
-    def run(self, stream: int, fn: BoxedCallable, inputs: list[Any]) -> Sequence[Any]:
+    def run(
+        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
+    ) -> Sequence[Any]:
+        main = torch.cuda.current_stream(self.device)
         if stream == MAIN_STREAM:
+            if joins:
+                self._wait_for(main, joins, inputs)
             return fn(inputs)
         side = self.side[stream - 1]
-        main = torch.cuda.current_stream(self.device)
         side.wait_stream(main)
         # NB: the caching allocator must not hand an input's memory to main-stream
         # work while this side stream may still read it. Outside capture,
@@ -77,12 +88,17 @@ class CudaStreams:
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         main = torch.cuda.current_stream(self.device)
+        self._wait_for(main, streams, side_outputs)
+        self.held.clear()  # the main stream is now ordered after every side read
+
+    def _wait_for(self, main: torch.cuda.Stream, streams: Sequence[int],
+                  side_values: Sequence[Any]) -> None:
+        """The main stream waits for side streams before it uses values made there."""
         for stream in streams:
             main.wait_stream(self.side[stream - 1])
-        self.held.clear()  # the main stream is now ordered after every side read
         if torch.cuda.is_current_stream_capturing():
-            return  # outputs of a captured forward live in the graph's own memory
-        for value in side_outputs:
+            return  # values of a captured forward live in the graph's own memory
+        for value in side_values:
             if isinstance(value, torch.Tensor) and value.is_cuda:
                 value.record_stream(main)
 
