@@ -1,0 +1,1 @@
+"""Reproductions of the ERASE paper's experiments: one script per experiment, results in bench/results/paper/."""
