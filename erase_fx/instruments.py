@@ -1,21 +1,34 @@
 """Instruments: what runs around each pass (the passes themselves never log, time or write).
 
 `PassRunner.run(name, fn, *args)` calls ``before_pass`` / ``after_pass`` on
-every instrument. `TimingInstrument` keeps how long each pass took (for the
-log); `DumpInstrument` writes numbered, diffable files of each pass's result
-into ``<dump_dir>/graph_<n>/``::
+every instrument; `PassRunner.record(name, value)` shows them a value no pass
+produced (the joint graph AOTAutograd traced, the backward it partitioned).
+`TimingInstrument` keeps how long each pass took (for the log);
+`DumpInstrument` writes numbered, diffable files of each step's result into
+``<dump_dir>/graph_<n>/``::
 
-    00_joint.py                      the joint graph AOTAutograd traced
+    00_joint.py                       the joint graph AOTAutograd traced
     01_find_stop_gradient_blocks.json the blocks and rejected components
-    02_schedule_early_backward.py    the rewritten joint graph
-    03_partition_joint_graph.fwd.py  the forward and backward modules
+    02_schedule_early_backward.py     the rewritten joint graph
+    03_partition_joint_graph.fwd.py   the forward and backward modules
     03_partition_joint_graph.bwd.py
-    04_assign_streams.py             the forward, with streams in comments
-    05_split_segments.py             the split module, then one file per segment
+    04_assign_streams.py              the forward, with streams in comments
+    05_split_segments.py              the split module, then one file per segment
     05_split_segments.seg_<k>_....py
-    report.json                      the GraphReport
+    05_split_segments.segments.json
+    06_bwd.py                         the backward, as compiled (at the first backward)
+    report.json                       the GraphReport
+    timings.json                      how long each pass took
 
-Files hold no paths, ids or addresses, so two dumps of one model diff clean.
+Each ``.py`` file opens with a provenance header (`provenance_header`): the
+step's name, whether it is a pass or a recorded value, its position in the
+pipeline and the steps before it, and which part of the result the file
+holds. JSON has no comments, so the ``.json`` files carry no header; their
+names give the step and pass.
+
+Two dumps of one model diff clean, file by file: files hold no paths, ids,
+addresses or times. NB: that is why the time each pass took is not in the
+headers but in ``timings.json``, the one file that differs between runs.
 """
 from __future__ import annotations
 
@@ -76,44 +89,101 @@ class TimingInstrument:
 
 
 class DumpInstrument:
-    """Writes each pass's result into ``<dump_dir>/graph_<n>/``."""
+    """Writes each step's result into ``<dump_dir>/graph_<n>/``; see the module docstring."""
 
     def __init__(self, dump_dir: str | os.PathLike, graph_id: int):
         self.folder = Path(dump_dir) / f"graph_{graph_id}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.index = 0
+        self.steps: list[str] = []
+        self.timings: list[dict[str, Any]] = []
+        self._running: str | None = None
 
     def before_pass(self, name: str, args: tuple[Any, ...]) -> None:
-        pass
+        self._running = name
 
     def after_pass(self, name: str, result: Any, seconds: float) -> None:
-        stem = f"{self.index:02d}_{name}"
-        self.index += 1
-        for suffix, text in _render(result):
-            header = f"# erase_fx: {name}\n" if suffix.endswith(".py") else ""
-            (self.folder / f"{stem}{suffix}").write_text(header + text)
+        # NB: `PassRunner.record` calls after_pass without before_pass: a
+        # recorded value (the joint graph, the backward), not a pass.
+        is_pass = self._running == name
+        self._running = None
+        step = len(self.steps)
+        self.steps.append(name)
+        stem = step_stem(step, name)
+        for suffix, part, text in _render(result, RECORDED_VALUES.get(name, "the module")):
+            if suffix.endswith((".py", ".txt")):
+                text = provenance_header(step, name, is_pass, self.steps, part) + text
+            self._write(stem + suffix, text)
+        if is_pass:
+            self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
+            self._write(TIMINGS_FILE, timings_json(self.timings))
 
     def write_report(self, report: GraphReport) -> None:
-        (self.folder / "report.json").write_text(report.to_json() + "\n")
+        self._write("report.json", report.to_json() + "\n")
+
+    def _write(self, file_name: str, text: str) -> None:
+        (self.folder / file_name).write_text(text)
 
 
-def _render(result: Any) -> list[tuple[str, str]]:
+#: The one dump file that differs between two runs of the same model.
+TIMINGS_FILE = "timings.json"
+
+
+def step_stem(step: int, name: str) -> str:
+    """``02_schedule_early_backward``: the file name of a step's result, without suffix."""
+    return f"{step:02d}_{name}"
+
+
+def provenance_header(
+    step: int, name: str, is_pass: bool, steps_so_far: list[str], part: str
+) -> str:
+    """The comment block a dumped ``.py`` file opens with: what made it, and where.
+
+    Holds no time, path, id or address, so the file is the same in every run.
+    """
+    what = f"pass {name}" if is_pass else f"{name} (a recorded value, not a pass)"
+    return (
+        f"# erase_fx dump, step {step:02d} of this graph's pipeline: {what}\n"
+        f"# pipeline so far: {' > '.join(steps_so_far)}\n"
+        f"# this file: {part}\n"
+        f"# time taken: see {TIMINGS_FILE} (kept out of this file so that two dumps diff clean)\n"
+    )
+
+
+def timings_json(timings: list[dict[str, Any]]) -> str:
+    """``timings.json``: seconds per pass, in pipeline order, and their total."""
+    total = round(sum(t["seconds"] for t in timings), 6)
+    return json.dumps({"unit": "seconds", "passes": timings, "total": total}, indent=2) + "\n"
+
+
+#: What the values `PassRunner.record` shows the instruments are, for the headers.
+RECORDED_VALUES = {
+    "joint": "the joint forward+backward graph AOTAutograd traced",
+    "bwd": "the backward module, as compiled at the first backward",
+}
+
+
+def _render(result: Any, module_part: str) -> list[tuple[str, str, str]]:
+    """``(file suffix, what the file holds, text)`` for each file of one step's result."""
     if isinstance(result, SegmentedForward):
-        files = [(".py", _graph_text(result.gm))]
+        files = [(".py", "the split module: one call per segment, in launch order",
+                  _graph_text(result.gm))]
         for segment in result.segments:
-            files.append((f".{segment.name}.py", _graph_text(getattr(result.gm, segment.name))))
-        files.append((".segments.json", json.dumps(
+            files.append((f".{segment.name}.py", f"segment {segment.name} of the split module",
+                          _graph_text(getattr(result.gm, segment.name))))
+        files.append((".segments.json", "the segments, as data", json.dumps(
             [dataclasses.asdict(s) for s in result.segments], indent=2) + "\n"))
         return files
     if isinstance(result, PassResult):
-        return [(".py", _graph_text(result.gm))]
+        return [(".py", "the module the pass returned", _graph_text(result.gm))]
     if isinstance(result, fx.GraphModule):
-        return [(".py", _graph_text(result))]
+        return [(".py", module_part, _graph_text(result))]
     if isinstance(result, tuple) and all(isinstance(r, fx.GraphModule) for r in result):
-        return [(".fwd.py", _graph_text(result[0])), (".bwd.py", _graph_text(result[1]))]
+        return [(".fwd.py", "the forward module", _graph_text(result[0])),
+                (".bwd.py", "the backward module", _graph_text(result[1]))]
     if isinstance(result, BlockAnalysis):
-        return [(".json", json.dumps(dataclasses.asdict(result), indent=2, default=str) + "\n")]
-    return [(".txt", repr(result) + "\n")]
+        return [(".json", "the blocks and rejected components, as data",
+                 json.dumps(dataclasses.asdict(result), indent=2, default=str) + "\n")]
+    return [(".txt", "the result", repr(result) + "\n")]
 
 
 def _graph_text(gm: fx.GraphModule) -> str:

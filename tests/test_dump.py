@@ -2,6 +2,7 @@
 import json
 import re
 
+import pytest
 import torch
 
 import erase_fx
@@ -26,11 +27,47 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
         "00_joint", "01_find_stop_gradient_blocks", "02_schedule_early_backward",
         "03_partition_joint_graph", "04_assign_streams", "05_split_segments", "06_bwd",
     ]
-    assert "report.json" in names
+    assert "report.json" in names and "timings.json" in names
     report = erase_fx.GraphReport.from_dict(json.loads((graph / "report.json").read_text()))
     assert len(report.blocks) == 2
-    assert (graph / "02_schedule_early_backward.py").read_text().startswith(
-        "# erase_fx: schedule_early_backward\n")
+
+
+def test_each_py_file_opens_with_its_step_pass_and_position(tmp_path):
+    (graph,) = list(dump(tmp_path, "h").iterdir())
+    header = (graph / "02_schedule_early_backward.py").read_text().splitlines()[:4]
+    assert header == [
+        "# erase_fx dump, step 02 of this graph's pipeline: pass schedule_early_backward",
+        "# pipeline so far: joint > find_stop_gradient_blocks > schedule_early_backward",
+        "# this file: the module the pass returned",
+        "# time taken: see timings.json (kept out of this file so that two dumps diff clean)",
+    ]
+    joint = (graph / "00_joint.py").read_text()
+    assert joint.startswith(
+        "# erase_fx dump, step 00 of this graph's pipeline: joint (a recorded value, not a pass)\n")
+    bwd = (graph / "03_partition_joint_graph.bwd.py").read_text()
+    assert "# this file: the backward module\n" in bwd
+    segment = next(graph.glob("05_split_segments.seg_1_*.py"))
+    assert f"# this file: segment {segment.name.split('.')[1]} of the split module\n" in (
+        segment.read_text())
+    for path in graph.glob("*.py"):
+        assert path.read_text().startswith("# erase_fx dump, step "), path.name
+
+
+def test_timings_are_in_their_own_file_not_in_the_headers(tmp_path):
+    (graph,) = list(dump(tmp_path, "t").iterdir())
+    timings = json.loads((graph / "timings.json").read_text())
+    assert timings["unit"] == "seconds"
+    assert [t["pass"] for t in timings["passes"]] == [
+        "find_stop_gradient_blocks", "schedule_early_backward", "partition_joint_graph",
+        "assign_streams", "split_segments",
+    ]
+    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5]
+    assert all(t["seconds"] >= 0 for t in timings["passes"])
+    assert timings["total"] == pytest.approx(sum(t["seconds"] for t in timings["passes"]),
+                                             abs=1e-5)
+    for path in graph.glob("*.py"):
+        assert not re.search(r"\d+(\.\d+)? ?(ms|s|seconds)\b", path.read_text().split(
+            "class ", 1)[0]), path.name
 
 
 def test_dump_files_hold_no_paths_or_addresses(tmp_path):
