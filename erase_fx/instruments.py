@@ -17,7 +17,7 @@ produced (the joint graph AOTAutograd traced, the backward it partitioned).
     05_split_segments.seg_<k>_....py
     05_split_segments.segments.json
     06_bwd.py                         the backward, as compiled (at the first backward)
-    report.json                       the GraphReport
+    report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
 
 Each ``.py`` file opens with a provenance header (`provenance_header`): the
@@ -92,6 +92,7 @@ class DumpInstrument:
     """Writes each step's result into ``<dump_dir>/graph_<n>/``; see the module docstring."""
 
     def __init__(self, dump_dir: str | os.PathLike, graph_id: int):
+        self.graph_id = graph_id
         self.folder = Path(dump_dir) / f"graph_{graph_id}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.steps: list[str] = []
@@ -118,7 +119,7 @@ class DumpInstrument:
             self._write(TIMINGS_FILE, timings_json(self.timings))
 
     def write_report(self, report: GraphReport) -> None:
-        self._write("report.json", report.to_json() + "\n")
+        self._write(REPORT_FILE, dumped_report_json(report))
 
     def _write(self, file_name: str, text: str) -> None:
         (self.folder / file_name).write_text(text)
@@ -126,6 +127,27 @@ class DumpInstrument:
 
 #: The one dump file that differs between two runs of the same model.
 TIMINGS_FILE = "timings.json"
+REPORT_FILE = "report.json"
+
+
+def dumped_report_json(report: GraphReport) -> str:
+    """``report.json``: the report without its ``graph_id``.
+
+    NB: the graph id counts graphs per process (the folder's name,
+    ``graph_<n>``, holds it); in the file it would make two dumps of one
+    model differ. `read_dumped_report` puts it back.
+    """
+    data = report.to_dict()
+    del data["graph_id"]
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def read_dumped_report(graph_folder: str | os.PathLike) -> GraphReport:
+    """The `GraphReport` of a dumped ``graph_<n>/`` folder, its id taken from the folder name."""
+    folder = Path(graph_folder)
+    graph_id = int(folder.name.rpartition("_")[2])
+    data = json.loads((folder / REPORT_FILE).read_text())
+    return GraphReport.from_dict({**data, "graph_id": graph_id})
 
 
 def step_stem(step: int, name: str) -> str:

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-import erase_fx
+from erase_fx.instruments import TIMINGS_FILE, read_dumped_report
 from graphs import Chain, chain_inputs
 
 
@@ -28,8 +28,8 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
         "03_partition_joint_graph", "04_assign_streams", "05_split_segments", "06_bwd",
     ]
     assert "report.json" in names and "timings.json" in names
-    report = erase_fx.GraphReport.from_dict(json.loads((graph / "report.json").read_text()))
-    assert len(report.blocks) == 2
+    report = read_dumped_report(graph)
+    assert len(report.blocks) == 2 and report.graph_id == int(graph.name.split("_")[1])
 
 
 def test_each_py_file_opens_with_its_step_pass_and_position(tmp_path):
@@ -78,3 +78,17 @@ def test_dump_files_hold_no_paths_or_addresses(tmp_path):
             assert str(tmp_path) not in text
             assert not re.search(r"0x[0-9a-f]{6,}", text), path.name
             assert "/site-packages/" not in text and "# File:" not in text, path.name
+
+
+def test_two_dumps_of_one_model_are_byte_identical_but_for_timings(tmp_path):
+    # NB: graph_<n> counts graphs per process, so compare the folders' contents.
+    (first,) = list(dump(tmp_path, "first").iterdir())
+    torch._dynamo.reset()
+    (second,) = list(dump(tmp_path, "second").iterdir())
+    assert first.name != second.name
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    assert len(names) > 10
+    for name in names:
+        if name != TIMINGS_FILE:
+            assert (first / name).read_bytes() == (second / name).read_bytes(), name
