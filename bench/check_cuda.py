@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -27,6 +28,7 @@ import erase_fx
 import erase_fx.compilation
 from bench.models import ChainConfig, DetachedChain, make_inputs
 from erase_fx.emit import VirtualStreams
+from erase_fx.emit.cudagraphs import GraphedForward
 
 # NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -114,6 +116,65 @@ def check_two_forwards(cfg, device):
             compiled(*first).backward()
         worst = max(worst, max_rel_err(grads_of(eager), grads_of(other)))
     return worst
+
+
+def train_pattern(model, fn, pattern, batches):
+    """A few SGD steps in one of the usual loop shapes; returns the final parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for micro_batches in batches:
+        if pattern == "zero-before-forward":
+            optimizer.zero_grad(set_to_none=True)
+            fn(*micro_batches[0]).backward()
+        elif pattern == "zero-after-forward":
+            loss = fn(*micro_batches[0])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        elif pattern == "accumulate":
+            optimizer.zero_grad(set_to_none=True)
+            for inputs in micro_batches:
+                fn(*inputs).backward()
+        elif pattern == "zero-in-place":
+            optimizer.zero_grad(set_to_none=False)
+            fn(*micro_batches[0]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+PATTERNS = ("zero-before-forward", "zero-after-forward", "accumulate", "zero-in-place")
+
+
+def check_patterns(cfg, device, steps=4):
+    """Training loops of each shape: erase with CUDA graphs vs stock Inductor, and replay counts.
+
+    Replaying a graph while its previous outputs (saved tensors, gradients
+    handed out as aliases of graph memory) are still used would be wrong;
+    erase then runs that call without the graph. Parameters after a few
+    optimizer steps must match stock Inductor's in every loop shape.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = []
+    for pattern in PATTERNS:
+        torch._dynamo.reset()
+        reference_model = DetachedChain(cfg).to(device)
+        model = copy.deepcopy(reference_model)
+        generator = torch.Generator(device=device).manual_seed(1)
+        batches = [[make_inputs(cfg, device, generator) for _ in range(2)] for _ in range(steps)]
+        reference = train_pattern(reference_model, torch.compile(reference_model), pattern,
+                                  batches)
+        before = set(map(id, erase_graphs()))
+        compiled = compile_erase(model, inner="inductor", cudagraphs=True)
+        result = train_pattern(model, compiled, pattern, batches)
+        new = [g for g in erase_graphs() if id(g) not in before]
+        replays = (sum(g.replays for g in new),
+                   sum(g.backward.replays for g in new if g.backward is not None))
+        results.append((pattern, max_rel_err(reference, result), replays))
+    return results
+
+
+def erase_graphs():
+    """Every erase forward CUDA graph alive."""
+    # NB: type(), not isinstance(): gc also lists dead weak proxies
+    return [o for o in gc.get_objects() if type(o) is GraphedForward]
 
 
 def stress(cfg, steps, device, graphs):
@@ -266,6 +327,13 @@ def main(argv=None) -> int:
     failures += not ok
     print(f"two forwards then one backward, CUDA graphs on: max rel grad err {err:.2e} "
           f"{'OK' if ok else 'FAIL'}", flush=True)
+
+    for pattern, err, (fw_replays, bw_replays) in check_patterns(parity_cfg, device):
+        ok = err <= 1e-4
+        failures += not ok
+        print(f"training loop {pattern}, CUDA graphs on: params vs stock inductor after 4 SGD "
+              f"steps: max rel err {err:.2e}, replays fw {fw_replays} bw {bw_replays} "
+              f"{'OK' if ok else 'FAIL'}", flush=True)
 
     for graphs in (False, True):
         if not args.stress_steps:

@@ -7,7 +7,7 @@ from and joined to the capture stream) and the whole backward once, then
 replay them: one launch each per step.
 
 Rules that keep replay exact (each one has a test on the GPU in
-``bench/check_cuda.py``):
+``bench/check_cuda.py``; the pure parts have CPU tests):
 
 - **Inputs.** A graph reads fixed addresses. Parameters and buffers
   (AOTAutograd's static inputs) are captured in place; an optimizer updates
@@ -17,25 +17,29 @@ Rules that keep replay exact (each one has a test on the GPU in
 - **Memory shared by streams.** Under capture, a side stream's inputs are
   held until the join (`CudaStreams`), so the capture never hands their
   memory to main-stream work that would overwrite it during replay.
-- **Outputs.** Replay overwrites the previous replay's outputs. The forward's
-  user-visible outputs (the loss, mutated buffers) are cloned (they are
-  small). The tensors saved for the backward are handed out as fresh aliases
-  of the graph's memory. Until the replay's backward has run (and for good,
-  if it ran with ``retain_graph=True``), replaying again would overwrite
-  them; unless the autograd graph was dropped (the use count of that memory
+- **Outputs are handed out, not copied.** Replay overwrites the memory of the
+  previous replay's outputs. The forward's user-visible outputs (the loss,
+  mutated buffers) are cloned (they are small). Everything else (the tensors
+  saved for the backward, the gradients the backward returns, early
+  gradients included, which live in the forward's memory) is handed out as
+  fresh aliases of the graph's memory: no copy, no extra memory.
+- **Replay only over dead outputs.** Before a replay, each graph checks that
+  nobody holds its previous outputs any more (the use count of their memory
   is back to what the graph itself holds, counted as torch's cudagraph trees
-  do), such a call runs the compiled program without the graph instead. Two forwards before one
-  backward are therefore exact, the second one just not replayed.
+  do). If someone does (a backward not run yet, ``retain_graph=True``,
+  gradients kept across steps by accumulation or ``zero_grad(set_to_none=False)``),
+  that call runs the compiled program without the graph, which is exact;
+  an INFO line says so once. Two forwards before one backward are therefore
+  exact, the second one just not replayed.
 - **Backward.** Replayed only when its saved tensors are exactly those of the
   last forward replay (same memory); otherwise it runs without the graph.
-  The gradients are cloned out of the graph's memory, so ``.grad`` never
-  aliases memory the next replay writes.
 - **First calls.** The first call runs without the graph (warm-up: lazy
   initialisation of libraries must not happen under capture); the second
   captures, then replays.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +49,70 @@ import torch
 log = logging.getLogger("erase_fx")
 
 BoxedCallable = Callable[[list[Any]], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AliasOf:
+    """A graph output that lives in the memory of one of the graph's inputs.
+
+    Such an output (a gradient computed by the forward and passed through
+    the backward, or one written into a donated saved tensor) is rebuilt at
+    each replay as a view of that input, so the graph holds no reference to
+    memory it does not own.
+    """
+
+    input_index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+def plan_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """For each output: an `AliasOf` if it lives in an input's memory, else the output itself."""
+    owner: dict[int, int] = {}
+    for j, value in enumerate(inputs):
+        if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
+            owner.setdefault(value.untyped_storage().data_ptr(), j)
+    plan: list[Any] = []
+    for value in outputs:
+        j = owner.get(value.untyped_storage().data_ptr()) if isinstance(value, torch.Tensor) \
+            else None
+        if j is None:
+            plan.append(value)
+        else:
+            plan.append(AliasOf(j, tuple(value.shape), tuple(value.stride()),
+                                value.storage_offset()))
+    return plan
+
+
+def realize_outputs(plan: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """The outputs of one replay: fresh aliases of graph memory or of the inputs' memory."""
+    outputs = []
+    for entry in plan:
+        if isinstance(entry, AliasOf):
+            source = inputs[entry.input_index]
+            if (tuple(source.shape) == entry.size and tuple(source.stride()) == entry.stride
+                    and source.storage_offset() == entry.storage_offset):
+                outputs.append(source.detach())
+            else:
+                outputs.append(source.detach().as_strided(entry.size, entry.stride,
+                                                          entry.storage_offset))
+        elif isinstance(entry, torch.Tensor):
+            outputs.append(entry.detach())
+        else:
+            outputs.append(entry)
+    return outputs
+
+
+class _OwnedMemory:
+    """The memory a graph owns, and whether anyone but the graph still uses it."""
+
+    def __init__(self, tensors: Sequence[Any]):
+        self.baseline = [(t, _storage_uses(t)) for t in tensors
+                         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()]
+
+    def in_use(self) -> bool:
+        return any(_storage_uses(t) > uses for t, uses in self.baseline)
 
 
 class GraphedForward:
@@ -64,16 +132,19 @@ class GraphedForward:
         self._boxed_call = True
         self.fn = fn
         self.num_user_outputs = num_user_outputs
-        self.static_input_indices = frozenset(static_input_indices)
+        self.static_input_indices = sorted(set(static_input_indices))
         self.device = device
         self.name = name
         self.calls = 0
         self.replays = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[Any] = []
+        self.static_input_ptrs: list[int | None] = []
+        self.copied_input_indices: list[int] = []
         self.static_outputs: list[Any] = []
-        self.baseline_uses: list[tuple[torch.Tensor, int]] = []
-        self.awaiting_backward = False  # the last replay's backward has not run yet
+        self.saved_ptrs: list[int | None] = []
+        self.saved_tensor_indices: list[int] = []
+        self.memory = _OwnedMemory(())
         self.backward: GraphedBackward | None = None
         self.disabled_reason: str | None = None
         self._said_unreplayed = False
@@ -82,14 +153,16 @@ class GraphedForward:
         self.calls += 1
         if self.disabled_reason is not None or self.calls == 1:
             return list(self.fn(args))
-        if self._previous_outputs_alive():
+        if self.graph is not None and self.memory.in_use():
             if not self._said_unreplayed:
-                log.info("erase_fx %s: forward called again while the last replay's saved "
-                         "tensors are alive (backward not run yet): running without the CUDA "
-                         "graph for such calls", self.name)
+                log.info("erase_fx %s: forward called while tensors of its last replay are in "
+                         "use (saved for a backward not run yet, or early gradients still held "
+                         "as .grad): running such calls without the CUDA graph; call "
+                         "zero_grad(set_to_none=True) before the forward to replay every "
+                         "step", self.name)
                 self._said_unreplayed = True
             return list(self.fn(args))
-        if self.graph is None or self._static_inputs_moved(args):
+        if self.graph is None or not self._static_inputs_stable(args):
             self._capture(args)
             if self.graph is None:
                 return list(self.fn(args))
@@ -98,15 +171,23 @@ class GraphedForward:
         args.clear()
         self.graph.replay()
         self.replays += 1
-        self.awaiting_backward = True
         return self._outputs()
 
     # -- capture and replay ---------------------------------------------------
 
     def _capture(self, args: list[Any]) -> None:
+        self.static_input_indices = [i for i in self.static_input_indices if i < len(args)]
+        static = set(self.static_input_indices)
         self.static_inputs = [
-            a if (i in self.static_input_indices or not isinstance(a, torch.Tensor)) else a.clone()
+            a if (i in static or not isinstance(a, torch.Tensor)) else a.clone()
             for i, a in enumerate(args)
+        ]
+        self.static_input_ptrs = [
+            a.data_ptr() if isinstance(a, torch.Tensor) else None for a in self.static_inputs
+        ]
+        self.copied_input_indices = [
+            i for i, a in enumerate(self.static_inputs)
+            if i not in static and isinstance(a, torch.Tensor)
         ]
         graph = torch.cuda.CUDAGraph()
         try:
@@ -120,56 +201,42 @@ class GraphedForward:
             return
         self.graph = graph
         self.static_outputs = list(outputs)
+        saved = self.static_outputs[self.num_user_outputs:]
+        self.saved_ptrs = [o.data_ptr() if isinstance(o, torch.Tensor) else None for o in saved]
+        self.saved_tensor_indices = [i for i, o in enumerate(saved) if isinstance(o, torch.Tensor)]
         # NB: saved tensors that are parameters are never overwritten by a
-        # replay; the others (activations, input buffers) are.
+        # replay; the others (activations, input buffers, early grads) are.
         parameters = {self.static_inputs[i].untyped_storage().data_ptr()
-                      for i in self.static_input_indices if i < len(self.static_inputs)}
-        saved = [o for o in self.static_outputs[self.num_user_outputs:]
-                 if isinstance(o, torch.Tensor)
-                 and o.untyped_storage().data_ptr() not in parameters]
-        self.baseline_uses = [(o, _storage_uses(o)) for o in saved]
+                      for i in static if i < len(self.static_inputs)}
+        self.memory = _OwnedMemory([o for o in saved if isinstance(o, torch.Tensor)
+                                    and o.untyped_storage().data_ptr() not in parameters])
         if self.backward is not None:
             self.backward.reset()
 
-    def _static_inputs_moved(self, args: list[Any]) -> bool:
-        for i in self.static_input_indices:
-            if i < len(args) and args[i].data_ptr() != self.static_inputs[i].data_ptr():
-                return True
-        return False
+    def _static_inputs_stable(self, args: list[Any]) -> bool:
+        return len(args) == len(self.static_input_ptrs) and \
+            torch._C._tensors_data_ptrs_at_indices_equal(
+                args, self.static_input_ptrs, self.static_input_indices)
 
     def _copy_inputs(self, args: list[Any]) -> None:
-        for arg, static in zip(args, self.static_inputs):
-            if isinstance(arg, torch.Tensor) and arg.data_ptr() != static.data_ptr():
-                static.copy_(arg)
+        indices = [i for i in self.copied_input_indices
+                   if args[i].data_ptr() != self.static_input_ptrs[i]]
+        if indices:
+            torch._foreach_copy_([self.static_inputs[i] for i in indices],
+                                 [args[i] for i in indices])
 
     def _outputs(self) -> list[Any]:
         user = [
             o.clone() if isinstance(o, torch.Tensor) else o
             for o in self.static_outputs[: self.num_user_outputs]
         ]
-        saved = [
-            o.detach() if isinstance(o, torch.Tensor) else o
-            for o in self.static_outputs[self.num_user_outputs:]
-        ]
-        return user + saved
+        return user + realize_outputs(self.static_outputs[self.num_user_outputs:], ())
 
-    def _previous_outputs_alive(self) -> bool:
-        """Whether replaying now could overwrite tensors the last replay's backward needs."""
-        if not self.awaiting_backward:
-            return False
-        # NB: no backward yet; if the autograd graph was dropped (a forward
-        # without backward), nothing holds the saved tensors any more.
-        alive = any(_storage_uses(t) > uses for t, uses in self.baseline_uses)
-        self.awaiting_backward = alive
-        return alive
-
-    def backward_done(self, retained: bool) -> None:
-        """The last replay's backward ran (``retained``: it may run again)."""
-        self.awaiting_backward = retained
-
-    def saved_pointers(self) -> list[int]:
-        return [o.data_ptr() for o in self.static_outputs[self.num_user_outputs:]
-                if isinstance(o, torch.Tensor)]
+    def replayed_saved(self, saved: Sequence[Any]) -> bool:
+        """Whether ``saved`` (a backward's saved inputs) are the last replay's saved outputs."""
+        return (self.graph is not None and self.replays > 0 and len(saved) == len(self.saved_ptrs)
+                and torch._C._tensors_data_ptrs_at_indices_equal(
+                    list(saved), self.saved_ptrs, self.saved_tensor_indices))
 
 
 class GraphedBackward:
@@ -185,57 +252,71 @@ class GraphedBackward:
         self.name = name
         self.replays = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_inputs: list[Any] = []
-        self.static_outputs: list[Any] = []
+        self.static_tangents: list[Any] = []
+        self.tangent_indices: list[int] = []
+        self.output_plan: list[Any] = []
+        self.memory = _OwnedMemory(())
         self.disabled_reason: str | None = None
+        self._said_unreplayed = False
         forward.backward = self
 
     def reset(self) -> None:
         """The forward was captured again: its saved tensors moved."""
         self.graph = None
+        self.output_plan = []
+        self.memory = _OwnedMemory(())
 
     def __call__(self, args: list[Any]) -> Any:
-        if self.disabled_reason is not None or not self._reads_forward_replay(args):
+        if self.disabled_reason is not None or \
+                not self.forward.replayed_saved(args[: self.num_saved]):
             return self.fn(args)
         if self.graph is None:
             self._capture(args)
             if self.graph is None:
                 return self.fn(args)
+        elif self.memory.in_use():
+            if not self._said_unreplayed:
+                log.info("erase_fx %s: gradients of the last replay are still in use "
+                         "(accumulated across steps, or zero_grad(set_to_none=False)): "
+                         "running such backwards without the CUDA graph", self.name)
+                self._said_unreplayed = True
+            return self.fn(args)
         else:
-            for arg, static in zip(args[self.num_saved:], self.static_inputs[self.num_saved:]):
-                if isinstance(arg, torch.Tensor):
-                    static.copy_(arg)
+            torch._foreach_copy_(self.static_tangents, [args[i] for i in self.tangent_indices])
+        sources = list(args[: self.num_saved]) + [None] * (len(args) - self.num_saved)
+        for i, static in zip(self.tangent_indices, self.static_tangents):
+            sources[i] = static
         args.clear()
         self.graph.replay()
         self.replays += 1
-        self.forward.backward_done(torch._C._autograd._get_current_graph_task_keep_graph())
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]
-
-    def _reads_forward_replay(self, args: list[Any]) -> bool:
-        if self.forward.graph is None or self.forward.replays == 0:
-            return False
-        saved = [a.data_ptr() for a in args[: self.num_saved] if isinstance(a, torch.Tensor)]
-        return saved == self.forward.saved_pointers()
+        return realize_outputs(self.output_plan, sources)
 
     def _capture(self, args: list[Any]) -> None:
         # NB: saved tensors stay where the forward graph writes them (its
         # static outputs keep that memory); only the tangents get buffers.
-        # Holding the saved tensors here would keep the forward's replay
-        # "alive" forever.
-        tangents = [a.clone() if isinstance(a, torch.Tensor) else a for a in args[self.num_saved:]]
-        self.static_inputs = [None] * self.num_saved + tangents
+        # Holding the saved tensors here would keep the forward's memory "in
+        # use" forever.
+        self.tangent_indices = [i for i in range(self.num_saved, len(args))
+                                if isinstance(args[i], torch.Tensor)]
+        self.static_tangents = [args[i].clone() for i in self.tangent_indices]
+        inputs = list(args)
+        for i, static in zip(self.tangent_indices, self.static_tangents):
+            inputs[i] = static
         graph = torch.cuda.CUDAGraph()
         try:
             # warm-up of the backward happens in the forward's first (uncaptured) step
             with torch.cuda.graph(graph):
-                outputs = self.fn(list(args[: self.num_saved]) + tangents)
+                outputs = self.fn(list(inputs))
         except Exception as error:  # noqa: BLE001 - replay is an optimisation; run without it
             self.disabled_reason = f"capture failed: {type(error).__name__}: {error}"
             log.warning("erase_fx %s: backward CUDA graph %s; running without it", self.name,
                         self.disabled_reason)
             return
         self.graph = graph
-        self.static_outputs = list(outputs)
+        self.output_plan = plan_outputs(list(outputs), inputs)
+        del outputs, inputs
+        owned = [p for p in self.output_plan if isinstance(p, torch.Tensor)]
+        self.memory = _OwnedMemory(owned + self.static_tangents)
 
 
 def _storage_uses(tensor: torch.Tensor) -> int:
