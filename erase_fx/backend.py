@@ -45,7 +45,8 @@ def erase_backend(
         mode: not supported: erase_fx has no modes; settings go in ``options``.
     """
     if mode is not None:
-        raise EraseOptionError("mode", mode, "no mode: erase_fx takes its settings in options={...}")
+        raise EraseOptionError("mode", mode,
+                               "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm))
     backend = aot_autograd(

@@ -287,4 +287,3 @@ def _source_name(node: fx.Node) -> str:
         return ".".join(parts)
     local = _SOURCE_LOCAL.match(name)
     return local.group(1) if local else name
-
