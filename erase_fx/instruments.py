@@ -19,12 +19,21 @@ produced (the joint graph AOTAutograd traced, the backward it partitioned).
     06_bwd.py                         the backward, as compiled (at the first backward)
     report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
+    schedule.dot                      the forward after assign_streams, drawn (needs pydot)
+    schedule.svg                      the same, rendered (when Graphviz's dot is on the PATH)
 
 Each ``.py`` file opens with a provenance header (`provenance_header`): the
 step's name, whether it is a pass or a recorded value, its position in the
 pipeline and the steps before it, and which part of the result the file
 holds. JSON has no comments, so the ``.json`` files carry no header; their
 names give the step and pass.
+
+``schedule.dot`` is `erase_fx.schedule_picture.schedule_dot` of the
+forward after ``assign_streams``: nodes coloured by stream, clustered by
+block, early-backward nodes as boxes, cross-stream syncs dashed. Without
+``pydot`` (``pip install erase-fx[viz]``) it is skipped with one INFO line;
+without Graphviz's ``dot`` binary there is no ``schedule.svg``
+(``dot -Tsvg schedule.dot -o schedule.svg`` renders it elsewhere).
 
 Two dumps of one model diff clean, file by file: files hold no paths, ids,
 addresses or times. NB: that is why the time each pass took is not in the
@@ -36,6 +45,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,9 +127,32 @@ class DumpInstrument:
         if is_pass:
             self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
             self._write(TIMINGS_FILE, timings_json(self.timings))
+        if name == SCHEDULE_PASS and isinstance(result, PassResult):
+            self._write_schedule(result.gm, step)
 
     def write_report(self, report: GraphReport) -> None:
         self._write(REPORT_FILE, dumped_report_json(report))
+
+    def _write_schedule(self, gm: fx.GraphModule, step: int) -> None:
+        if not pydot_available():
+            log.info("erase_fx dump: pydot is not installed (pip install erase-fx[viz]), so no "
+                     "%s in %s", SCHEDULE_DOT_FILE, self.folder.name)
+            return
+        from erase_fx.schedule_picture import render_svg, schedule_dot
+
+        text = schedule_header(step) + schedule_dot(gm).to_string()
+        self._write(SCHEDULE_DOT_FILE, text)
+        try:
+            svg = render_svg(text)
+        except (OSError, subprocess.SubprocessError) as error:
+            # NB: a picture is not worth failing a compilation over.
+            detail = getattr(error, "stderr", None) or b""
+            log.warning("erase_fx dump: Graphviz's dot failed on %s/%s, so no %s: %s %s",
+                        self.folder.name, SCHEDULE_DOT_FILE, SCHEDULE_SVG_FILE, error,
+                        detail.decode(errors="replace").strip())
+            return
+        if svg is not None:
+            (self.folder / SCHEDULE_SVG_FILE).write_bytes(svg)
 
     def _write(self, file_name: str, text: str) -> None:
         (self.folder / file_name).write_text(text)
@@ -128,6 +161,27 @@ class DumpInstrument:
 #: The one dump file that differs between two runs of the same model.
 TIMINGS_FILE = "timings.json"
 REPORT_FILE = "report.json"
+#: The pass whose result `schedule_dot` draws: streams assigned, not yet split.
+SCHEDULE_PASS = "assign_streams"
+SCHEDULE_DOT_FILE = "schedule.dot"
+SCHEDULE_SVG_FILE = "schedule.svg"
+
+
+def pydot_available() -> bool:
+    """Whether the optional ``pydot`` (the ``viz`` extra) can be imported."""
+    try:
+        import pydot  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def schedule_header(step: int) -> str:
+    """The DOT comment ``schedule.dot`` opens with."""
+    return (
+        f"// erase_fx dump: the forward after {SCHEDULE_PASS} (step {step:02d}), drawn\n"
+        f"// render: dot -Tsvg {SCHEDULE_DOT_FILE} -o {SCHEDULE_SVG_FILE}\n"
+    )
 
 
 def dumped_report_json(report: GraphReport) -> str:
