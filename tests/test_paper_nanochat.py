@@ -1,0 +1,126 @@
+"""bench.paper.nanochat on CPU: a tiny end-to-end run, the trace step attribution, the model."""
+import gzip
+import json
+
+import pytest
+import torch
+
+from bench.paper import nanochat
+from bench.paper.common import validate_results
+
+TINY = ["--device", "cpu", "--depth", "3", "--layers-per-stage", "1", "--width", "32",
+        "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64", "--warmup", "1",
+        "--profile-steps", "1", "--trials", "1", "--steps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """NB: one intra-op thread: on a loaded 2-core runner two threads spin against each other."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
+    code = nanochat.main([*TINY, "--attention", "sdpa", "--variants", "eager,erase",
+                          "--out-dir", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "nanochat.json").read_text())
+    assert validate_results(results) == []
+    (run,) = results["data"]["runs"]
+    # 3 stages of one layer: the first two are early blocks, the last stays in the backward.
+    assert run["early_blocks"] == run["expected_early_blocks"] == 2
+    erase = next(t for t in run["timings"] if t["variant"] == "erase")
+    assert erase["early_blocks_compiled"] == 2
+    # On CPU there are no device kernels: the overlap is not measurable, and says so.
+    assert run["overlap"] is None
+    assert "not measurable on CPU" in run["overlap_message"]
+    assert run["timeline"] is None and results["figures"] == []
+    # The trace is still written, with the profiled step in it.
+    trace_path = tmp_path / run["trace"]
+    assert run["trace"] == "nanochat_trace_sdpa.json.gz"
+    with gzip.open(trace_path, "rt") as file:
+        events = json.load(file)["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
+    assert all(row["verdict"] == "not comparable" for row in results["paper_comparison"])
+
+
+def launch(correlation, ts):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+            "args": {"correlation": correlation}}
+
+
+def kernel(correlation, stream, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": f"k{correlation}", "ts": ts, "dur": dur,
+            "args": {"correlation": correlation, "stream": stream}}
+
+
+def handmade_trace():
+    """Two profiled steps; the device lags, so step 1's kernels run after step 2 began on the CPU."""
+    return {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
+        launch(1, 10), launch(2, 20), launch(3, 30),
+        launch(4, 110), launch(5, 120),
+        kernel(1, 7, 50, 60),     # step 1, main: 50..110
+        kernel(2, 13, 60, 20),    # step 1, side: 60..80, under main
+        kernel(3, 7, 110, 10),    # step 1, main: 110..120, device time inside step 2's CPU range
+        kernel(4, 7, 130, 40),    # step 2, main: 130..170
+        kernel(5, 13, 160, 20),   # step 2, side: 160..180, half under main
+        kernel(99, 7, 300, 5),    # no launch event: dropped
+    ]}
+
+
+def test_kernels_are_attributed_to_the_step_that_launched_them():
+    steps = nanochat.kernels_by_step(handmade_trace())
+    assert [[k.name for k in step] for step in steps] == [["k1", "k2", "k3"], ["k4", "k5"]]
+
+
+def test_overlap_of_the_profiled_steps_and_the_timeline(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as file:
+        json.dump(handmade_trace(), file)
+    overlap, last_step, message = nanochat.measure_overlap(path)
+    # side time 20 + 20, of which 20 + 10 under main-stream kernels
+    assert (overlap.main_stream, overlap.side_streams) == (7, (13,))
+    assert (overlap.side_us, overlap.overlapped_us, overlap.fraction) == (40.0, 30.0, 0.75)
+    assert [k.name for k in last_step] == ["k4", "k5"] and "75.0%" in message
+    picture = tmp_path / "timeline.png"
+    nanochat.plot_timeline(last_step, overlap.main_stream, picture, "test")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_trace_without_kernels_is_not_measurable(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": handmade_trace()["traceEvents"][:2]}))
+    assert nanochat.measure_overlap(path) == (None, [], nanochat.NOT_MEASURABLE_ON_CPU)
+
+
+def test_manual_attention_equals_sdpa():
+    manual_cfg = nanochat.GPTConfig(depth=2, width=32, heads=4, seq=16, batch=2, vocab=64,
+                                    attention="manual")
+    sdpa_cfg = nanochat.GPTConfig(**{**manual_cfg.__dict__, "attention": "sdpa"})
+    manual = nanochat.DetachedGPT(manual_cfg)
+    sdpa = nanochat.DetachedGPT(sdpa_cfg)
+    sdpa.load_state_dict(manual.state_dict())
+    batch = nanochat.learnable_tokens(manual_cfg, torch.device("cpu"))
+    torch.testing.assert_close(manual(*batch), sdpa(*batch))
+
+
+def test_learnable_tokens_count_by_a_stride():
+    cfg = nanochat.GPTConfig(seq=8, batch=3, vocab=50)
+    tokens, targets = nanochat.learnable_tokens(cfg, torch.device("cpu"),
+                                                torch.Generator().manual_seed(0))
+    assert tokens.shape == targets.shape == (3, 8)
+    torch.testing.assert_close(targets[:, :-1], tokens[:, 1:])
+    stride = (tokens[:, 1] - tokens[:, 0]) % 50
+    torch.testing.assert_close((tokens[:, 2] - tokens[:, 1]) % 50, stride)
+
+
+def test_quick_preset_and_explicit_flags():
+    args = nanochat.parse_args(["--quick", "--depth", "8"])
+    assert (args.depth, args.width, args.seq, args.vocab) == (8, 384, 512, 4096)
+    assert args.variants == nanochat.QUICK["variants"]
+    full = nanochat.parse_args([])
+    assert (full.depth, full.width, full.seq, full.vocab) == (12, 768, 1024, 8192)
