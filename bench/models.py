@@ -130,3 +130,53 @@ def step_flops(cfg: ChainConfig) -> int:
     else:
         front = 784 * d
     return 6 * b * (front + cfg.stages * stage)
+
+
+class PaperSchedule(nn.Module):
+    """The ERASE paper's eager scheme, written by hand, around a `DetachedChain`.
+
+    Inside the forward, stage k's forward, its local loss and that loss's
+    ``backward()`` run on side stream ``k % streams``; stage k+1 starts (on
+    its own stream) as soon as stage k's forward is done (an event), so stage
+    k's backward overlaps stage k+1's forward. The last stage's loss is
+    returned with its graph (the caller's ``backward()`` runs it); the other
+    local losses are added detached. Gradients equal eager's. Needs CUDA.
+    """
+
+    def __init__(self, chain: DetachedChain, streams: int = 4):
+        super().__init__()
+        if not chain.detach:
+            raise ValueError("the paper's scheme needs the detached chain")
+        self.chain = chain
+        self.streams = [torch.cuda.Stream() for _ in range(streams)]
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        chain = self.chain
+        *features, labels = inputs
+        main = torch.cuda.current_stream()
+        h = chain.front(*features)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        last = len(chain.stages) - 1
+        early_losses = []
+        for k, (stage, head) in enumerate(zip(chain.stages, chain.heads)):
+            stream = self.streams[k % len(self.streams)]
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                h.record_stream(stream)
+                labels.record_stream(stream)
+                out = stage(h)
+                local = chain.local_loss(head(out), labels)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+                if k == last:
+                    final = local
+                else:
+                    local.backward()  # the early backward, on this side stream
+                    early_losses.append(local.detach())
+            h = out.detach()
+        for stream in self.streams:
+            main.wait_stream(stream)
+        for value in [final, *early_losses]:
+            value.record_stream(main)
+        return final + sum(early_losses)
