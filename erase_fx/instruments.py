@@ -35,6 +35,12 @@ block, early-backward nodes as boxes, cross-stream syncs dashed. Without
 without Graphviz's ``dot`` binary there is no ``schedule.svg``
 (``dot -Tsvg schedule.dot -o schedule.svg`` renders it elsewhere).
 
+Each text file is also a ``torch._logging.trace_structured`` artifact named
+``erase_fx_graph_<n>_<file>`` (``timings.json`` once, with the report), so
+``TORCH_TRACE=dir`` runs show them in ``tlparse``. `dump_instrument_for`
+makes a trace-only instrument (no files) when a structured trace is on but
+no ``dump_dir`` is set.
+
 Two dumps of one model diff clean, file by file: files hold no paths, ids,
 addresses or times. NB: that is why the time each pass took is not in the
 headers but in ``timings.json``, the one file that differs between runs.
@@ -51,6 +57,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+import torch._logging
 import torch.fx as fx
 
 from erase_fx.passes import BlockAnalysis, PassResult, SegmentedForward, get_meta
@@ -98,13 +106,29 @@ class TimingInstrument:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
-class DumpInstrument:
-    """Writes each step's result into ``<dump_dir>/graph_<n>/``; see the module docstring."""
+def dump_instrument_for(dump_dir: str | os.PathLike | None, graph_id: int) -> DumpInstrument | None:
+    """The dump of one graph: files when ``dump_dir`` is set, trace artifacts when tracing.
 
-    def __init__(self, dump_dir: str | os.PathLike, graph_id: int):
+    None when there is neither a ``dump_dir`` nor a structured trace: nothing
+    is rendered then.
+    """
+    if dump_dir is None and not structured_trace_enabled():
+        return None
+    return DumpInstrument(dump_dir, graph_id)
+
+
+class DumpInstrument:
+    """Writes each step's result into ``<dump_dir>/graph_<n>/``; see the module docstring.
+
+    With ``dump_dir=None`` it writes no file and only emits the trace artifacts.
+    """
+
+    def __init__(self, dump_dir: str | os.PathLike | None, graph_id: int):
         self.graph_id = graph_id
-        self.folder = Path(dump_dir) / f"graph_{graph_id}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder_name = f"graph_{graph_id}"
+        self.folder = Path(dump_dir) / self.folder_name if dump_dir is not None else None
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
         self.steps: list[str] = []
         self.timings: list[dict[str, Any]] = []
         self._running: str | None = None
@@ -126,36 +150,70 @@ class DumpInstrument:
             self._write(stem + suffix, text)
         if is_pass:
             self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
-            self._write(TIMINGS_FILE, timings_json(self.timings))
+            self._write(TIMINGS_FILE, timings_json(self.timings), emit=False)
         if name == SCHEDULE_PASS and isinstance(result, PassResult):
             self._write_schedule(result.gm, step)
 
     def write_report(self, report: GraphReport) -> None:
         self._write(REPORT_FILE, dumped_report_json(report))
+        # NB: timings.json is rewritten after each pass; trace it once, here.
+        if self.timings:
+            self._emit(TIMINGS_FILE, timings_json(self.timings))
 
     def _write_schedule(self, gm: fx.GraphModule, step: int) -> None:
         if not pydot_available():
             log.info("erase_fx dump: pydot is not installed (pip install erase-fx[viz]), so no "
-                     "%s in %s", SCHEDULE_DOT_FILE, self.folder.name)
+                     "%s in %s", SCHEDULE_DOT_FILE, self.folder_name)
             return
         from erase_fx.schedule_picture import render_svg, schedule_dot
 
         text = schedule_header(step) + schedule_dot(gm).to_string()
         self._write(SCHEDULE_DOT_FILE, text)
+        if self.folder is None:
+            return
         try:
             svg = render_svg(text)
         except (OSError, subprocess.SubprocessError) as error:
             # NB: a picture is not worth failing a compilation over.
             detail = getattr(error, "stderr", None) or b""
             log.warning("erase_fx dump: Graphviz's dot failed on %s/%s, so no %s: %s %s",
-                        self.folder.name, SCHEDULE_DOT_FILE, SCHEDULE_SVG_FILE, error,
+                        self.folder_name, SCHEDULE_DOT_FILE, SCHEDULE_SVG_FILE, error,
                         detail.decode(errors="replace").strip())
             return
         if svg is not None:
             (self.folder / SCHEDULE_SVG_FILE).write_bytes(svg)
 
-    def _write(self, file_name: str, text: str) -> None:
-        (self.folder / file_name).write_text(text)
+    def _write(self, file_name: str, text: str, emit: bool = True) -> None:
+        if self.folder is not None:
+            (self.folder / file_name).write_text(text)
+        if emit:
+            self._emit(file_name, text)
+
+    def _emit(self, file_name: str, text: str) -> None:
+        emit_artifact(artifact_name(self.folder_name, file_name), text)
+
+
+def artifact_name(folder_name: str, file_name: str) -> str:
+    """``erase_fx_graph_0_02_schedule_early_backward.py``: a dump file's name in the trace."""
+    return f"erase_fx_{folder_name}_{file_name}"
+
+
+def emit_artifact(name: str, text: str) -> None:
+    """One ``trace_structured`` artifact (a no-op unless a structured trace is on)."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: text,
+    )
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace (``TORCH_TRACE``, read by tlparse) has a handler.
+
+    NB: torch checks the same (``trace_log.handlers``) before it logs anything.
+    """
+    trace_log = getattr(torch._logging._internal, "trace_log", None)
+    return bool(trace_log is not None and trace_log.handlers)
 
 
 #: The one dump file that differs between two runs of the same model.
