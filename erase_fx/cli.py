@@ -4,16 +4,19 @@ Subcommands:
 
 - ``erase-fx demo [flags]``: the showcase, `erase_fx.demo` (its flags are
   forwarded; ``erase-fx demo --help`` lists them).
-- ``erase-fx explain module:factory [--json] [--options JSON]``: what the
-  erase backend would do with a model, without training it. ``factory()``
-  must return ``(model, example_inputs)``, ``example_inputs`` a tuple, or
-  ``(model, args, kwargs)``. Prints one table per compiled graph (the early
-  blocks, the components left in the backward with the reason, the share of
-  backward FLOPs that runs early), or with ``--json`` the list of
+- ``erase-fx explain module:factory [--json] [--options JSON] [--dump DIR]``:
+  what the erase backend would do with a model, without training it.
+  ``factory()`` must return ``(model, example_inputs)``, ``example_inputs`` a
+  tuple, or ``(model, args, kwargs)``. Prints one table per compiled graph:
+  each early block (its stream, parameter count and first names, ready point,
+  node count, estimated backward FLOPs and their share of the backward's),
+  the components left in the backward with the reason, and the share of
+  backward FLOPs that runs early; or with ``--json`` the list of
   ``GraphReport.to_dict()``. ``--options`` takes `EraseConfig` fields as a
-  JSON object, e.g. ``'{"streams": 2}'``. Example::
+  JSON object, e.g. ``'{"streams": 2}'``. ``--dump DIR`` writes the dump
+  (the ``dump_dir`` option) into ``DIR/graph_<n>/``. Example::
 
-      erase-fx explain erase_fx.demo:ff_factory
+      erase-fx explain erase_fx.demo:ff_factory --dump /tmp/erase_dump
 
 Exit codes: 0 on success; 2 on a usage error (a spec without a colon, a
 module that cannot be imported, a factory that is missing, raises or returns
@@ -33,6 +36,7 @@ from typing import Any
 
 import erase_fx
 from erase_fx.errors import EraseOptionError
+from erase_fx.instruments import pydot_available
 from erase_fx.report import GraphReport
 
 PROG = "erase-fx"
@@ -56,27 +60,44 @@ def format_report(report: GraphReport) -> str:
     if report.blocks:
         rows = [
             (b.id, b.stream, len(b.params), _first_names(b.params), b.ready_after, b.num_nodes,
-             _si(b.flops))
+             _si(b.flops), _share(b.flops, report.backward_flops))
             for b in report.blocks
         ]
-        headers = ("block", "stream", "#params", "params", "ready after", "nodes", "bwd FLOPs")
+        headers = ("block", "stream", "#params", "params", "ready after", "nodes", "bwd FLOPs",
+                   "share of bwd")
         lines += format_table(headers, rows, indent="  ")
     if report.rejected:
         lines.append("  left in the backward:")
         rows = [
             (r.reason, len(r.params), _first_names(r.params), r.num_nodes, _si(r.flops),
+             _share(r.flops, report.backward_flops),
              r.detail + (f" (node {r.node})" if r.node else ""))
             for r in report.rejected
         ]
-        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "detail")
+        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "share of bwd", "detail")
         lines += format_table(headers, rows, indent="    ")
+    if report.blocks or report.rejected:
+        lines.append(TABLE_KEY)
     return "\n".join(lines)
+
+
+#: What the table's columns mean, printed under each graph's table.
+TABLE_KEY = (
+    "  (#params: parameter tensors whose gradients the component computes; ready after: the "
+    "forward node\n   after which an early block's backward can start; stream: the side stream "
+    "it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of the whole "
+    "backward's FLOPs)"
+)
+
+
+def _share(flops: int, total: int) -> str:
+    return f"{flops / total:.0%}" if total else "-"
 
 
 def _heading(report: GraphReport) -> str:
     return (
         f"graph {report.graph_id}: {_count(len(report.blocks), 'early block')}, "
-        f"{_count(len(report.rejected), 'component')} left in the backward; "
+        f"{_count(len(report.rejected), 'component')} left in the backward\n  "
         f"{report.early_share:.0%} of the backward FLOPs run early "
         f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
         f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
@@ -176,18 +197,44 @@ def parse_options(text: str | None) -> dict[str, Any]:
     return options
 
 
+def dump_folder(path: str, options: dict[str, Any]) -> str:
+    """``--dump DIR``: a folder that exists (made here) and agrees with ``--options``."""
+    other = options.get("dump_dir")
+    if other is not None and os.path.abspath(other) != os.path.abspath(path):
+        raise UsageError(f"--dump {path!r} and --options dump_dir {other!r} disagree; give one")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--dump {path!r} exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--dump: cannot make folder {path!r}: {_one_line(error)}") from error
+    return path
+
+
 def run_explain(args: argparse.Namespace) -> int:
     options = parse_options(args.options)
+    if args.dump is not None:
+        options["dump_dir"] = dump_folder(args.dump, options)
     model, model_args, model_kwargs = load_factory_result(args.spec)
     reports = erase_fx.explain(model, *model_args, erase_options=options, **model_kwargs)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2, sort_keys=True))
-        return 0
-    if not reports:
+    elif not reports:
         print("no graph was compiled: the model's forward ran no torch code Dynamo captures")
-        return 0
-    print("\n\n".join(format_report(r) for r in reports))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    if options.get("dump_dir") is not None and reports:
+        # NB: on stderr with --json, so that stdout stays one JSON document.
+        print(dump_message(options["dump_dir"], reports), file=sys.stderr if args.json else None)
     return 0
+
+
+def dump_message(dump_dir: str, reports: Sequence[GraphReport]) -> str:
+    folders = ", ".join(
+        os.path.join(dump_dir, f"graph_{r.graph_id}") + os.sep for r in reports
+    )
+    picture = ", schedule.dot" if pydot_available() else ""
+    return f"\ndump written to {folders} (per-pass files, report.json, timings.json{picture})"
 
 
 # -- command line --------------------------------------------------------------
@@ -220,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print the reports as a JSON list of GraphReport.to_dict()")
     explain.add_argument("--options", metavar="JSON",
                          help='erase backend options as a JSON object, e.g. \'{"streams": 2}\'')
+    explain.add_argument("--dump", metavar="DIR",
+                         help="also write each graph's dump (numbered per-pass files, report.json, "
+                         "timings.json, schedule.dot) into DIR/graph_<n>/, as the dump_dir "
+                         "option does")
     return parser
 
 

@@ -3,6 +3,7 @@
 The autouse fixture of conftest.py resets Dynamo before each test.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -47,6 +48,44 @@ def test_explain_ff_finds_one_early_block_per_stage_but_the_last(capsys):
     assert "of the backward FLOPs run early" in out
 
 
+def test_explain_dump_writes_the_dump_and_the_table_shows_each_blocks_share(tmp_path, capsys):
+    code = cli.main(["explain", "erase_fx.demo:ff_factory", "--dump", str(tmp_path / "dump")])
+    out = capsys.readouterr().out
+    assert code == 0
+    (graph,) = list((tmp_path / "dump").iterdir())
+    assert (graph / "report.json").exists() and (graph / "04_assign_streams.py").exists()
+    assert f"dump written to {graph}{os.sep}" in out
+    header = next(line for line in out.splitlines() if line.strip().startswith("block"))
+    assert header.split() == ["block", "stream", "#params", "params", "ready", "after", "nodes",
+                              "bwd", "FLOPs", "share", "of", "bwd"]
+    block_rows = [line.split() for line in out.splitlines() if line.startswith("  0  ")]
+    assert block_rows and block_rows[0][-1] == f"{100 // FF_STAGES}%"
+    assert "share of bwd: of the whole backward's FLOPs" in out
+
+
+def test_explain_json_with_dump_keeps_stdout_json(tmp_path, capsys):
+    code = cli.main(["explain", "erase_fx.demo:ff_factory", "--json", "--dump", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert len(json.loads(captured.out)) == 1
+    assert "dump written to" in captured.err
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda tmp: ["--dump", str(tmp / "a_file")], "exists and is not a folder"),
+        (lambda tmp: ["--dump", str(tmp / "x"), "--options", '{"dump_dir": "%s"}' % (tmp / "y")],
+         "disagree"),
+    ],
+)
+def test_explain_bad_dump_exits_2(make_args, message, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    code = cli.main(["explain", "erase_fx.demo:ff_factory", *make_args(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_explain_json_lists_the_reports(capsys):
     code = cli.main(["explain", "erase_fx.demo:ff_factory", "--json", "--options",
                      '{"streams": 2}'])
@@ -85,6 +124,13 @@ def test_explain_bad_spec_exits_2(spec, message, capsys):
         ("factory_returns_tensor",
          "import torch\ndef factory():\n    return torch.nn.Linear(2, 2), torch.ones(2)\n",
          "expected a tuple"),
+        ("factory_not_callable", "factory = 3\n", "factory_not_callable:factory is not callable"),
+        ("factory_needs_args", "def factory(batch):\n    return batch\n",
+         "factory_needs_args:factory() raised TypeError"),
+        ("factory_bad_model", "def factory():\n    return 'model', (1,)\n",
+         "returned a model that is not callable: a str"),
+        ("factory_import_fails", "import no_such_dependency\ndef factory():\n    pass\n",
+         "cannot import module 'factory_import_fails': ModuleNotFoundError"),
     ],
 )
 def test_explain_bad_factory_exits_2(module, body, message, tmp_path, monkeypatch, capsys):
