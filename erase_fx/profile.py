@@ -26,6 +26,13 @@ Definitions (all times in microseconds):
 The trace readers keep only device kernels (Chrome trace events with
 ``"cat": "kernel"``; profiler events on a CUDA device that are not memory
 copies or sets).
+
+`profile_training` runs training steps of a model compiled with
+``backend="erase"`` under ``torch.profiler``, exports the Chrome trace and
+measures the overlap: the ``erase-fx profile`` command. Each driver step is
+labelled ``erase_fx/<segment>`` in the trace (``seg_1_block_0_stream_1``
+names its block and stream); CUDA graph replay hides these labels, so it
+profiles with ``cudagraphs=False`` unless told otherwise.
 """
 from __future__ import annotations
 
@@ -233,3 +240,126 @@ def _load_json(path: str | os.PathLike) -> Any:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as file:
         return json.load(file)
+
+
+# -- profiling training steps (the ``erase-fx profile`` command) ----------------
+
+#: Options `profile_training` adds unless told otherwise: CUDA graph replay runs
+#: no driver steps, so it would hide the per-segment labels.
+PROFILE_DEFAULT_OPTIONS: Mapping[str, Any] = {"cudagraphs": False}
+
+
+class NotALossError(TypeError):
+    """The profiled model's forward did not return a scalar loss tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileRun:
+    """What `profile_training` measured.
+
+    Attributes:
+        trace_path: the Chrome trace it exported.
+        device: where the model ran (``"cpu"``, ``"cuda:0"``).
+        steps: the profiled training steps (warm-up steps not included).
+        options: the erase backend options used.
+        segment_labels: the distinct ``erase_fx/<segment>`` labels in the trace.
+        overlap: the kernel overlap; None on CPU (no kernels, no streams).
+    """
+
+    trace_path: str
+    device: str
+    steps: int
+    options: Mapping[str, Any]
+    segment_labels: tuple[str, ...]
+    overlap: Overlap | None
+
+
+def profile_training(
+    model: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    steps: int,
+    warmup: int = 2,
+    options: Mapping[str, Any] | None = None,
+    trace_path: str | os.PathLike = "trace.json",
+    device: str | None = None,
+) -> ProfileRun:
+    """Train ``model`` with ``backend="erase"`` under ``torch.profiler``; measure the overlap.
+
+    Compiles ``model`` (whose forward returns a scalar loss) with the erase
+    backend and ``options`` (`PROFILE_DEFAULT_OPTIONS` first), moves it and its
+    tensor inputs to ``device`` (default: CUDA when available, else CPU), runs
+    ``warmup`` steps (compilation happens there), then ``steps`` steps of
+    ``loss = model(*args, **kwargs); loss.backward()`` under the profiler (CPU
+    activity, and CUDA when on a GPU), exports the Chrome trace to
+    ``trace_path`` and reads the kernel overlap from it (`kernel_overlap`).
+    """
+    import torch
+
+    from erase_fx.backend import make_backend
+    from erase_fx.emit.program import PROFILE_LABEL_PREFIX
+
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = target.type == "cuda"
+    if isinstance(model, torch.nn.Module):
+        model = model.to(target)
+    args = _to_device(tuple(args), target)
+    kwargs = _to_device(dict(kwargs or {}), target)
+    options = {**PROFILE_DEFAULT_OPTIONS, **(options or {})}
+    compiled = torch.compile(model, backend=make_backend(**options))
+
+    def train_step() -> None:
+        if isinstance(model, torch.nn.Module):
+            model.zero_grad(set_to_none=True)
+        loss = compiled(*args, **kwargs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise NotALossError(
+                f"the model must return a scalar loss tensor, got {_describe(loss)}")
+        loss.backward()
+
+    for _ in range(warmup):
+        train_step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(target)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            train_step()
+        if on_gpu:
+            torch.cuda.synchronize(target)
+    trace_path = os.fspath(trace_path)
+    prof.export_chrome_trace(trace_path)
+    trace = _load_json(trace_path)
+    labels = sorted({
+        str(event.get("name")) for event in trace.get("traceEvents", ())
+        if str(event.get("name", "")).startswith(PROFILE_LABEL_PREFIX)
+    })
+    return ProfileRun(
+        trace_path=trace_path,
+        device=str(target),
+        steps=steps,
+        options=options,
+        segment_labels=tuple(labels),
+        overlap=kernel_overlap(kernels_from_chrome_trace(trace)) if on_gpu else None,
+    )
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"a {type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")

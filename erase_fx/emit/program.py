@@ -18,6 +18,12 @@ order; `streams.StreamOps` decides what a step on a side stream means:
 
 No stream or event op is ever inside a compiled segment: Inductor may reorder
 side-effect ops against compute, so syncs live here, between segments.
+
+Under ``torch.profiler`` each step runs inside ``record_function(<segment
+name>)`` (``erase_fx/seg_1_block_0_stream_1``: the segment, its block and
+stream), so traces show which segment launched which kernels; with no
+profiler active the steps run bare, at no cost. CUDA graph replay runs no
+steps, so its traces hold no such labels.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward
 
 WHERE = "emit"
+#: ``record_function`` label of a step under a profiler: the prefix, then the segment name.
+PROFILE_LABEL_PREFIX = "erase_fx/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +159,15 @@ class StreamProgram:
         # work (wrong early grads on an H200, torch 2.11); the graph's memory
         # is allocated once anyway.
         free = not (self.side_streams and _capturing())
+        # NB: read the flag at each call: profilers start and stop between calls.
+        labelled = torch.autograd.profiler._is_profiler_enabled
         for step in self.steps:
             inputs = [env[i] for i in step.inputs]
-            outputs = streams.run(step.stream, step.fn, inputs, step.joins)
+            if labelled:
+                with torch.profiler.record_function(PROFILE_LABEL_PREFIX + step.name):
+                    outputs = streams.run(step.stream, step.fn, inputs, step.joins)
+            else:
+                outputs = streams.run(step.stream, step.fn, inputs, step.joins)
             for slot, value in zip(step.outputs, outputs):
                 if slot >= 0:
                     env[slot] = value

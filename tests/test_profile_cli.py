@@ -1,0 +1,115 @@
+"""``erase-fx profile`` on CPU, and the driver's per-segment profiler labels."""
+import json
+
+import pytest
+import torch
+
+import erase_fx.profile
+from erase_fx import cli
+from erase_fx.emit.program import PROFILE_LABEL_PREFIX
+from erase_fx.profile import KernelInterval, ProfileRun, kernel_overlap
+from graphs import Chain, chain_inputs
+
+FAST = '{"inner": "aot_eager"}'
+
+
+def test_profile_on_cpu_writes_the_trace_and_says_overlap_needs_a_gpu(tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "2", "--warmup", "1",
+                     "--out", str(out), "--options", FAST, "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "profiled 2 training step(s) of erase_fx.demo:ff_factory on cpu" in printed
+    assert '"cudagraphs": false' in printed and "cudagraphs off by default here" in printed
+    assert f"trace: {out}" in printed
+    assert "overlap: needs a GPU" in printed
+    names = {e.get("name") for e in json.loads(out.read_text())["traceEvents"]}
+    labels = {n for n in names if str(n).startswith(PROFILE_LABEL_PREFIX)}
+    assert f"{PROFILE_LABEL_PREFIX}seg_1_block_0_stream_1" in labels
+    assert f"segment labels: {PROFILE_LABEL_PREFIX}seg_0_stream_0" in printed
+    assert f"({len(labels)})" in printed
+
+
+def test_profile_keeps_cudagraphs_when_the_options_set_it(tmp_path, capsys):
+    code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "1", "--warmup", "1",
+                     "--out", str(tmp_path / "t.json"), "--device", "cpu",
+                     "--options", '{"inner": "aot_eager", "cudagraphs": true}'])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert '"cudagraphs": true' in printed and "off by default" not in printed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["nosuchmodule:f"], "cannot import module 'nosuchmodule'"),
+        (["erase_fx.demo:ff_factory", "--steps", "0"], "--steps must be >= 1"),
+        (["erase_fx.demo:ff_factory", "--out", "/no/such/folder/t.json"], "does not exist"),
+        (["erase_fx.demo:ff_factory", "--options", '{"bogus": 1}'], "unknown option(s)"),
+        (["erase_fx.demo:ff_factory", "--device", "nonsense"], "--device 'nonsense'"),
+        pytest.param(["erase_fx.demo:ff_factory", "--device", "cuda"], "CUDA is not available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    ],
+)
+def test_profile_usage_errors_exit_2(argv, message, capsys):
+    code = cli.main(["profile", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.startswith("erase-fx profile: error:")
+
+
+def test_profile_a_model_without_a_scalar_loss_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "logits_model.py").write_text(
+        "import torch\n"
+        "def factory():\n"
+        "    return torch.nn.Linear(2, 3), (torch.ones(4, 2),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = cli.main(["profile", "logits_model:factory", "--steps", "1", "--warmup", "0",
+                     "--out", str(tmp_path / "t.json"), "--options", FAST, "--device", "cpu"])
+    assert code == 2
+    assert "must return a scalar loss tensor, got a Tensor of shape (4, 3)" in (
+        capsys.readouterr().err)
+
+
+def test_profile_on_a_gpu_prints_the_measured_overlap(tmp_path, monkeypatch, capsys):
+    # The GPU run itself is checked on the GPU machine; here, what the command prints of it.
+    kernels = [KernelInterval(7, 0, 100, "main"), KernelInterval(13, 50, 150, "side")]
+
+    def fake_profile_training(model, args, kwargs, *, steps, warmup, options, trace_path,
+                              device):
+        return ProfileRun(str(trace_path), "cuda:0", steps, {"cudagraphs": False, **options},
+                          ("erase_fx/seg_0_stream_0",), kernel_overlap(kernels))
+
+    monkeypatch.setattr(erase_fx.profile, "profile_training", fake_profile_training)
+    code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "3",
+                     "--out", str(tmp_path / "t.json")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "on cuda:0" in printed
+    assert ("overlap: side-stream kernel time 100.0 us (streams 13), overlapped with main-stream "
+            "(stream 7) kernels 50.0 us: overlap fraction 50.0%") in printed
+
+
+def test_profile_help_says_cudagraphs_are_off(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "--help"])
+    assert "cudagraphs" in capsys.readouterr().out
+
+
+def test_the_driver_labels_segments_only_under_a_profiler(monkeypatch):
+    compiled = torch.compile(Chain(3), backend="erase", options={"inner": "aot_eager"})
+    inputs = chain_inputs()
+    compiled(*inputs)  # compile outside the profiler
+
+    def no_labels_please(name):
+        raise AssertionError(f"record_function({name!r}) without a profiler")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.profiler, "record_function", no_labels_please)
+        compiled(*inputs).backward()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(*inputs).backward()
+    labels = {e.name for e in prof.events() if e.name.startswith(PROFILE_LABEL_PREFIX)}
+    assert {f"{PROFILE_LABEL_PREFIX}seg_1_block_0_stream_1",
+            f"{PROFILE_LABEL_PREFIX}seg_3_block_1_stream_2"} <= labels
