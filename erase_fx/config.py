@@ -52,9 +52,10 @@ class EraseConfig:
             still run without graphs, with a logged reason); ``False``: off.
             No effect on CPU. See ``erase_fx/emit/cudagraphs.py`` for what
             keeps replay exact.
-        dump_dir: a folder to write each compiled graph's passes, segments and
-            report into (``graph_<n>/``); ``ERASE_FX_DUMP`` sets it too. ``None``
-            writes nothing.
+        dump_dir: a folder to write each compiled graph's passes, segments,
+            report, pass timings (``timings.json``) and schedule picture
+            (``schedule.dot``) into (``graph_<n>/``; see `erase_fx.instruments`);
+            ``ERASE_FX_DUMP`` sets it too. ``None`` writes nothing.
         on_error: what a failure inside erase_fx does: ``"fallback"`` logs a
             warning with the reason and compiles the graph on the stock path
             (no early block, gradients still exact); ``"raise"`` raises the
