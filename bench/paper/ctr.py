@@ -442,14 +442,15 @@ class BlockChainCTR(nn.Module):
             groups[f"block{index + 1}"] = list(block.parameters())
         return groups
 
-    def loss_source(self, group: str) -> int | None:
-        """The 0-based block whose local loss trains ``group`` (None: no loss reaches it)."""
+    def loss_sources(self, group: str) -> list[int]:
+        """The 0-based blocks whose local losses reach ``group``'s parameters (none: frozen).
+
+        Detached: only the group's own block (the front's is block 1).
+        Without detach (the baseline): its block and every later one.
+        """
         index = 0 if group == "front" else int(group.removeprefix("block")) - 1
-        if self.detach:
-            return index if self.has_local_loss(index) else None
-        # without detach, every later loss reaches the group: name the first one
-        later = [i for i in range(index, len(self.blocks)) if self.has_local_loss(i)]
-        return later[0] if later else None
+        reach = [index] if self.detach else range(index, len(self.blocks))
+        return [i for i in reach if self.has_local_loss(i)]
 
 
 def group_of_param(name: str) -> str:
@@ -551,12 +552,11 @@ def audit_gradients(model: BlockChainCTR, batch: Batch, step: int, variant: str)
     for group, params in model.param_groups().items():
         squares = [p.grad.double().pow(2).sum() for p in params if p.grad is not None]
         norm = torch.stack(squares).sum().sqrt().item() if squares else 0.0
-        source = model.loss_source(group)
-        loss = losses[source] if source is not None else None
+        sources = model.loss_sources(group)
         rows.append({
             "variant": variant, "step": step, "group": group, "grad_norm": norm,
-            "loss_from": f"block{source + 1}" if source is not None else "none",
-            "local_loss": loss.item() if loss is not None else None,
+            "loss_from": "+".join(f"L{i + 1}" for i in sources) or "none",
+            "local_loss": sum(losses[i].item() for i in sources) if sources else None,
             "status": "OK" if norm > 0 else "FAIL",
         })
     return rows
@@ -887,11 +887,20 @@ def _best_stock(grouped: dict[str, list[RunResult]], stat: str, exclude: str = "
 
 
 def _audit_table(rows: list[dict[str, Any]], caption: str) -> dict[str, Any]:
-    return {"caption": caption,
-            "columns": ["variant", "step", "group", "grad norm", "loss from", "local loss",
-                        "status"],
-            "rows": [[r["variant"], r["step"], r["group"], f"{r['grad_norm']:.4g}",
-                      r["loss_from"], fmt(r["local_loss"], 5), r["status"]] for r in rows]}
+    """One row per (variant, step); a cell per group: ``norm (Lk = loss value)`` or FAIL."""
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    cells: dict[tuple[str, int], dict[str, str]] = {}
+    for r in rows:
+        text = f"{r['grad_norm']:.3g} ({r['loss_from']} = {fmt(r['local_loss'], 4)})"
+        if r["status"] == "FAIL":
+            text = f"**FAIL** {r['grad_norm']:.3g} (loss: {r['loss_from']})"
+        cells.setdefault((r["variant"], r["step"]), {})[r["group"]] = text
+    key = (". Cell: gradient norm of the group's own parameters (the local losses Lk that "
+           "reach them = their value at that step)")
+    return {"caption": caption + key,
+            "columns": ["variant", "step", *groups],
+            "rows": [[variant, step, *(row.get(g, "-") for g in groups)]
+                     for (variant, step), row in cells.items()]}
 
 
 def _explain_table(explained: dict[str, Any]) -> dict[str, Any]:
