@@ -1,0 +1,146 @@
+"""CPU smoke tests of the paper's CTR experiment (``bench/paper/ctr.py``): tiny sizes, few steps.
+
+They check what the experiment claims, not its speed: the results file
+follows the contract, erase with the ``aot_eager`` inner compiler trains
+exactly as eager does, every block with a local loss gets a gradient, and a
+block without one gets none (and erase_fx finds no early block there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench.paper import common, ctr
+
+CPU = torch.device("cpu")
+BLOCKS = 3
+#: A model small enough to compile in a few seconds; 3 blocks instead of 6
+#: (the experiment takes any number).
+TINY = ["--device", "cpu", "--seeds", "1", "--batch", "32", "--cap", "200", "--embed-dim", "4",
+        "--bottom", "8", "--width", "8", "--hidden", "16", "--blocks", str(BLOCKS),
+        "--eval-rows", "256", "--eval-every", "5", "--warmup", "2", "--audit-steps", "1,10",
+        "--streams", "2"]
+GROUPS = ["front", *(f"block{i}" for i in range(1, BLOCKS + 1))]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny kernels gain nothing from more, and a busy CPU stalls them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_ctr_results_follow_the_contract_and_erase_equals_eager(tmp_path):
+    assert ctr.main([*TINY, "--steps", "10", "--freeze-steps", "0",
+                     "--results-dir", str(tmp_path)]) == 0
+
+    payload = json.loads((tmp_path / "ctr.json").read_text())
+    assert common.validate_results(payload) == []
+    assert set(common.REQUIRED_KEYS) <= set(payload)
+    assert set(common.META_KEYS) <= set(payload["meta"])
+    assert payload["meta"]["command"].startswith("python -m bench.paper.ctr --device cpu")
+    assert [f["kind"] for f in payload["figures"]] == ["line", "bar"]
+    assert payload["data"]["failures"] == []
+
+    runs = {run["variant"]: run for run in payload["data"]["runs"]}
+    assert list(runs) == ["baseline", "eager", "erase-aot_eager"]
+    assert all(run["error"] is None for run in runs.values())
+    eager, erase = runs["eager"], runs["erase-aot_eager"]
+    assert len(eager["losses"]) == 10
+    assert erase["losses"] == eager["losses"]
+    assert erase["ne_curve"] == eager["ne_curve"]
+    exact = payload["data"]["exactness"]["erase-aot_eager vs eager"]
+    assert exact["max_train_loss_diff"] == 0.0
+    assert exact["final_ne_diff"] == 0.0
+    assert exact["max_param_diff"] == 0.0
+    # every block but the last runs its backward early
+    (report,) = erase["erase_reports"]
+    assert len(report["blocks"]) == BLOCKS - 1
+
+    for run in runs.values():
+        audited = [(row["step"], row["group"]) for row in run["audit"]]
+        assert audited == [(step, group) for step in (1, 10) for group in GROUPS]
+        assert all(row["status"] == "OK" and row["grad_norm"] > 0 for row in run["audit"])
+        assert all(row["local_loss"] > 0 for row in run["audit"])
+    # the detached front learns from block 1's loss only; the baseline's from all of them
+    front = {run["variant"]: run["audit"][0]["loss_from"] for run in runs.values()}
+    assert front == {"baseline": "L1+L2+L3", "eager": "L1", "erase-aot_eager": "L1"}
+
+
+def test_blocks_without_local_loss_get_zero_gradient_and_no_early_block():
+    sizes = ctr.DataSizes(cap=200)
+    data = ctr.Dataset.make(sizes, steps=10, batch=32, eval_rows=256, seed=0, device=CPU)
+    model_sizes = ctr.ModelSizes(tuple(sizes.rows_per_field()), embed_dim=4, bottom=(8,),
+                                 width=8, hidden=16, blocks=BLOCKS)
+    settings = ctr.Settings(CPU, steps=10, warmup=2, eval_every=5, audit_steps=(1, 10),
+                            optimizer="adam", lr=2e-3, inner="aot_eager", streams=2)
+
+    demo = ctr.freeze_demo(model_sizes, data, settings, seed=0, local_weight=1.0,
+                           say=lambda _: None)
+
+    eager, erase = demo["runs"]
+    assert eager.error is None and erase.error is None
+    assert erase.losses == eager.losses
+    last = f"block{BLOCKS}"
+    for run in (eager, erase):
+        for row in run.audit:
+            frozen = row["group"] != last
+            assert (row["grad_norm"] == 0.0) is frozen, row
+            assert row["status"] == ("FAIL" if frozen else "OK")
+            assert row["loss_from"] == ("none" if frozen else f"L{BLOCKS}")
+    assert [len(report["blocks"]) for report in erase.erase_reports] == [0]
+
+    found = demo["explain"]
+    assert found["no_local_loss"]["early_blocks"] == []
+    assert [c["reason"] for c in found["no_local_loss"]["rejected"]] == ["last_block"]
+    assert [c["groups"] for c in found["no_local_loss"]["rejected"]] == [[last]]
+    assert [b["groups"] for b in found["with_local_losses"]["early_blocks"]] == [
+        ["block1", "front"], *([f"block{i}"] for i in range(2, BLOCKS))]
+
+
+def test_planted_data_is_fixed_by_its_seed_and_has_the_target_click_rate():
+    sizes = ctr.DataSizes(cap=200, ctr=0.25)
+    first = ctr.Dataset.make(sizes, steps=4, batch=1024, eval_rows=4096, seed=3, device=CPU)
+    again = ctr.Dataset.make(sizes, steps=4, batch=1024, eval_rows=4096, seed=3, device=CPU)
+    for a, b in zip(first.train + first.eval, again.train + again.eval):
+        assert torch.equal(a, b)
+    assert abs(first.train_ctr - 0.25) < 0.03
+    assert 0.5 < first.oracle_ne < 0.95  # learnable: the planted model beats the base rate
+    dense, sparse, labels = first.step_batch(1)
+    assert dense.shape == (1024, ctr.DENSE_FEATURES) and sparse.shape == (1024, ctr.FIELDS)
+    assert bool((sparse < torch.tensor(sizes.rows_per_field())).all())
+
+
+def test_criteo_cardinalities_and_the_cap():
+    assert len(ctr.CRITEO_KAGGLE_CARDINALITIES) == 26
+    assert sum(ctr.CRITEO_KAGGLE_CARDINALITIES) == 33_762_577
+    assert max(ctr.DataSizes(cap=1000).rows_per_field()) == 1000
+
+
+def test_interactions_select_and_mask_compute_the_same_features():
+    model_sizes = ctr.ModelSizes(tuple(ctr.DataSizes(cap=50).rows_per_field()), embed_dim=4,
+                                 bottom=(8,), width=8, blocks=1)
+    select = ctr.DLRMFront(dataclasses.replace(model_sizes, interaction="select"))
+    mask = ctr.DLRMFront(model_sizes)
+    dense, sparse = torch.randn(5, 13), torch.randint(0, 3, (5, 26))
+    with torch.no_grad():
+        pairs = select.pair_index
+        # a mask projection whose weights on the masked-out entries are zero equals select's
+        weight = torch.zeros(8, 4 + 27 * 27)
+        weight[:, :4] = select.projection[0].weight[:, :4]
+        weight[:, 4 + pairs] = select.projection[0].weight[:, 4:]
+        mask.load_state_dict(select.state_dict() | {"projection.0.weight": weight})
+        assert torch.allclose(select(dense, sparse), mask(dense, sparse), atol=1e-6)
+
+
+def test_cuda_only_variants_are_refused_on_cpu_and_flags_override_the_preset():
+    with pytest.raises(SystemExit):
+        ctr.parse_args(["--device", "cpu", "--variants", "eager,erase+graphs"])
+    args = ctr.parse_args(["--device", "cpu", "--quick", "--steps", "7"])
+    assert args.steps == 7 and args.seeds == ctr.PRESETS["quick"]["seeds"]
+    assert args.variants == ctr.CPU_DEFAULT_VARIANTS and args.inner == "aot_eager"
