@@ -15,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,viz]'
+	$(PY) -m pip install -q -e '.[test,viz,paper]'
 	touch $@
 
 demo: setup
