@@ -31,7 +31,7 @@ from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_gr
 from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
 from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
-from erase_fx.instruments import DumpInstrument, PassRunner, TimingInstrument
+from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
 from erase_fx.passes import (
     BlockAnalysis,
     assign_streams,
@@ -57,7 +57,7 @@ class GraphCompilation:
         self.input_names = list(input_names)
         self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
         self.timing = TimingInstrument()
-        self.dump = DumpInstrument(cfg.dump_dir, graph_id) if cfg.dump_dir else None
+        self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
         self.has_early_blocks = False
         self.bw_donates_buffers = False
