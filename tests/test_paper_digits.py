@@ -21,7 +21,8 @@ def one_thread():
 
 
 def test_cpu_run_writes_contract_json_and_erase_matches_eager_exactly(tmp_path):
-    code = digits.main([*TINY, "--variants", "eager,erase", "--out-dir", str(tmp_path)])
+    code = digits.main([*TINY, "--variants", "eager,erase", "--on-error", "raise",
+                        "--out-dir", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "digits.json").read_text())
     assert validate_results(results) == []
@@ -29,7 +30,7 @@ def test_cpu_run_writes_contract_json_and_erase_matches_eager_exactly(tmp_path):
     assert (eager["variant"], erase["variant"]) == ("eager", "erase")
     # 3 detached layers: the first two are early blocks.
     assert results["tables"][2]["rows"] == [[3, 2, 2]]
-    assert erase["early_blocks"] == 2
+    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": []}
     # inner aot_eager on CPU: trained weights and every head's accuracy equal eager's exactly
     assert erase["must_equal_eager"] and erase["equal_to_eager"]
     assert erase["max_param_diff"] == 0.0

@@ -24,7 +24,7 @@ def one_thread():
 
 def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
     code = nanochat.main([*TINY, "--attention", "sdpa", "--variants", "eager,erase",
-                          "--out-dir", str(tmp_path)])
+                          "--on-error", "raise", "--out-dir", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "nanochat.json").read_text())
     assert validate_results(results) == []
@@ -32,7 +32,7 @@ def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
     # 3 stages of one layer: the first two are early blocks, the last stays in the backward.
     assert run["early_blocks"] == run["expected_early_blocks"] == 2
     erase = next(t for t in run["timings"] if t["variant"] == "erase")
-    assert erase["early_blocks_compiled"] == 2
+    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": []}
     # On CPU there are no device kernels: the overlap is not measurable, and says so.
     assert run["overlap"] is None
     assert "not measurable on CPU" in run["overlap_message"]
@@ -44,6 +44,30 @@ def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
         events = json.load(file)["traceEvents"]
     assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
     assert all(row["verdict"] == "not comparable" for row in results["paper_comparison"])
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    real = nanochat.compile_variant
+
+    def broken(name, model, settings):
+        if name == "erase":
+            raise RuntimeError("segment compile exploded")
+        return real(name, model, settings)
+
+    monkeypatch.setattr(nanochat, "compile_variant", broken)
+    monkeypatch.setattr(nanochat, "count_early_blocks", lambda *args: 2)
+    (tmp_path / "nanochat_trace_manual.json.gz").write_text("stale")
+    code = nanochat.main([*TINY, "--attention", "manual", "--variants", "erase,eager",
+                          "--out-dir", str(tmp_path)])
+    assert code == 1
+    results = json.loads((tmp_path / "nanochat.json").read_text())
+    (run,) = results["data"]["runs"]
+    erase, eager = run["timings"]
+    assert erase == {"variant": "erase", "error": "RuntimeError: segment compile exploded"}
+    assert eager["median_ms"] > 0
+    assert run["trace"] is None and "erase failed" in run["overlap_message"]
+    assert not (tmp_path / "nanochat_trace_manual.json.gz").exists()  # the stale one is gone
+    assert validate_results(results) == []
 
 
 def launch(correlation, ts):

@@ -260,15 +260,30 @@ def one_stream() -> Iterator[None]:
         erase_fx.compilation.CudaStreams = saved
 
 
-def compile_variant(name: str, model: nn.Module, inner: str, streams: int) -> Callable:
+def compile_variant(name: str, model: nn.Module, settings: RunSettings) -> Callable:
     """The callable a variant trains with (compiled lazily, on its first call)."""
     if name == "eager":
         return model
     if name == "compile":
-        return torch.compile(model, backend=inner)
-    options = {"inner": inner, "streams": streams, "on_error": "raise",
-               "cudagraphs": name == "erase-graphs"}
+        return torch.compile(model, backend=settings.inner)
+    options = {"inner": settings.inner, "streams": settings.streams,
+               "on_error": settings.on_error, "cudagraphs": name == "erase-graphs"}
     return torch.compile(model, backend="erase", options=options)
+
+
+def compile_summary(reports: Sequence[erase_fx.GraphReport]) -> dict[str, Any]:
+    """What erase did with the graphs it compiled: early blocks, and why any fell short.
+
+    ``rejected`` leaves out the last block (it is never early); with
+    ``on_error="fallback"`` a block erase_fx cannot prove safe, or a failed
+    segment compile, shows up here instead of stopping the run.
+    """
+    return {
+        "early_blocks": sum(len(r.blocks) for r in reports),
+        "rejected": [f"{x.reason}: {x.detail}" for r in reports for x in r.rejected
+                     if x.reason != "last_block"],
+        "fallback": [r.fallback_reason for r in reports if r.fallback_reason],
+    }
 
 
 def variant_context(name: str) -> contextlib.AbstractContextManager:
@@ -430,6 +445,7 @@ class RunSettings:
     trials: int
     steps_per_trial: int
     out_dir: Path
+    on_error: str = "fallback"
 
 
 def count_early_blocks(model: nn.Module, batch: tuple[torch.Tensor, ...], streams: int) -> int:
@@ -442,10 +458,24 @@ def count_early_blocks(model: nn.Module, batch: tuple[torch.Tensor, ...], stream
 
 def run_variant(name: str, base: nn.Module, batch: tuple[torch.Tensor, ...],
                 settings: RunSettings, trace_path: Path | None) -> dict[str, Any]:
-    """Compile one variant, warm it up, profile it if asked, and time it."""
+    """Compile one variant, warm it up, profile it if asked, and time it.
+
+    NB: an exception is recorded as the variant's ``error`` and the run goes
+    on: the GPU runs are one-shot, and the other variants still count.
+    """
+    try:
+        return _run_variant(name, base, batch, settings, trace_path)
+    except Exception as error:  # noqa: BLE001 - recorded in the results
+        message = f"{type(error).__name__}: {str(error).strip()[:800]}"
+        print(f"    {name:14s} FAILED: {message}", flush=True)
+        return {"variant": name, "error": message}
+
+
+def _run_variant(name: str, base: nn.Module, batch: tuple[torch.Tensor, ...],
+                 settings: RunSettings, trace_path: Path | None) -> dict[str, Any]:
     torch._dynamo.reset()
     model = copy.deepcopy(base)
-    fn = compile_variant(name, model, settings.inner, settings.streams)
+    fn = compile_variant(name, model, settings)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -466,9 +496,14 @@ def run_variant(name: str, base: nn.Module, batch: tuple[torch.Tensor, ...],
         if settings.device.type == "cuda":
             result["peak_mib"] = torch.cuda.max_memory_allocated(settings.device) / 2**20
     if name.startswith("erase"):
-        result["early_blocks_compiled"] = sum(len(r.blocks) for r in reports)
+        result["compiled"] = compile_summary(reports)
     print(f"    {name:14s} {result['median_ms']:8.3f} ms/step (min {result['min_ms']:.3f}, "
           f"max {result['max_ms']:.3f}), warm-up {result['warmup_s']:.1f} s", flush=True)
+    if name.startswith("erase"):
+        compiled = result["compiled"]
+        print(f"    {'':14s} {compiled['early_blocks']} early blocks compiled", flush=True)
+        for line in compiled["rejected"] + compiled["fallback"]:
+            print(f"    {'':14s} NB: {line[:300]}", flush=True)
     return result
 
 
@@ -482,28 +517,29 @@ def run_attention(cfg: GPTConfig, settings: RunSettings) -> dict[str, Any]:
     print(f"    early blocks found: {blocks} (expected stages - 1 = {cfg.stages - 1})", flush=True)
 
     trace_name = f"nanochat_trace_{cfg.attention}.json.gz"
-    rows = []
-    for name in settings.variants:
-        trace = settings.out_dir / trace_name if name == "erase" else None
-        rows.append(run_variant(name, base, batch, settings, trace))
-
+    trace_path = settings.out_dir / trace_name
+    trace_path.unlink(missing_ok=True)  # NB: never report a stale trace of an earlier run
+    rows = [run_variant(name, base, batch, settings, trace_path if name == "erase" else None)
+            for name in settings.variants]
     result: dict[str, Any] = {
-        "attention": cfg.attention, "early_blocks": blocks, "expected_early_blocks":
-        cfg.stages - 1, "timings": rows, "trace": None, "timeline": None,
-        "overlap": None, "overlap_message": "erase was not among the variants: no trace",
+        "attention": cfg.attention, "early_blocks": blocks,
+        "expected_early_blocks": cfg.stages - 1, "timings": rows,
+        "trace": None, "timeline": None, "overlap": None,
     }
-    if "erase" in settings.variants:
-        result["trace"] = trace_name
-        overlap, last_step, message = measure_overlap(settings.out_dir / trace_name)
-        result["overlap"] = dataclasses.asdict(overlap) if overlap else None
-        result["overlap_message"] = message
-        print(f"    overlap: {message}", flush=True)
-        if overlap is not None:
-            timeline = f"nanochat_timeline_{cfg.attention}.png"
-            plot_timeline(last_step, overlap.main_stream, settings.out_dir / timeline,
-                          f"erase, {cfg.attention} attention, one step: {cfg.stages} stages, "
-                          f"overlap fraction {overlap.fraction:.0%} (all profiled steps)")
-            result["timeline"] = timeline
+    if not trace_path.exists():
+        erase = next((r for r in rows if r["variant"] == "erase"), None)
+        result["overlap_message"] = (f"no trace: erase failed ({erase['error']})" if erase
+                                     else "no trace: erase was not among the variants")
+        return result
+    result["trace"] = trace_name
+    overlap, last_step, result["overlap_message"] = measure_overlap(trace_path)
+    print(f"    overlap: {result['overlap_message']}", flush=True)
+    if overlap is not None:
+        result["overlap"] = dataclasses.asdict(overlap)
+        result["timeline"] = f"nanochat_timeline_{cfg.attention}.png"
+        plot_timeline(last_step, overlap.main_stream, settings.out_dir / result["timeline"],
+                      f"erase, {cfg.attention} attention, one step: {cfg.stages} stages, "
+                      f"overlap fraction {overlap.fraction:.0%} (all profiled steps)")
     return result
 
 
@@ -511,7 +547,7 @@ def run_attention(cfg: GPTConfig, settings: RunSettings) -> dict[str, Any]:
 
 
 def _ms(rows: Sequence[dict[str, Any]], variant: str) -> float | None:
-    return next((r["median_ms"] for r in rows if r["variant"] == variant), None)
+    return next((r.get("median_ms") for r in rows if r["variant"] == variant), None)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
@@ -582,40 +618,72 @@ def fused_attention_comparison(runs: Sequence[dict[str, Any]],
                               f"stream: {measured}", "note": note}
 
 
-def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str, Any]],
-                  command: str) -> dict[str, Any]:
-    """The results JSON, per the contract of ``bench/paper/README.md``."""
-    timer = "CUDA events" if settings.device.type == "cuda" else "perf_counter"
-    blocks_table = {
-        "caption": "Early blocks erase_fx found: erase_fx.explain, and the timed erase compile",
-        "columns": ["attention", "stages", "expected (stages - 1)", "explain", "compiled"],
-        "rows": [[r["attention"], cfg.stages, r["expected_early_blocks"], r["early_blocks"],
-                  fmt(next((t.get("early_blocks_compiled") for t in r["timings"]
-                            if t["variant"] == "erase"), None))] for r in runs],
+def _erase_compiled(run: dict[str, Any]) -> dict[str, Any] | None:
+    return next((t.get("compiled") for t in run["timings"] if t["variant"] == "erase"), None)
+
+
+def blocks_table(cfg: GPTConfig, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for run in runs:
+        compiled = _erase_compiled(run)
+        why = "; ".join(compiled["rejected"] + compiled["fallback"]) if compiled else ""
+        rows.append([run["attention"], cfg.stages, run["expected_early_blocks"],
+                     run["early_blocks"], fmt(compiled and compiled["early_blocks"]),
+                     why[:400] or "-"])
+    return {
+        "caption": "Early blocks erase_fx found: erase_fx.explain (aot_eager), and the timed "
+                   "erase compile (inner compiler of the run), with what kept a block back",
+        "columns": ["attention", "stages", "expected (stages - 1)", "explain", "compiled",
+                    "not early, why"],
+        "rows": rows,
     }
-    overlap_table = {
+
+
+def overlap_table(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for run in runs:
+        overlap = run["overlap"]
+        numbers = ((fmt(overlap["side_us"]), fmt(overlap["main_us"]),
+                    fmt(overlap["overlapped_us"]), f"{overlap['fraction']:.1%}")
+                   if overlap else ("-", "-", "-", "-"))
+        rows.append([run["attention"], fmt(run["trace"]), *numbers, run["overlap_message"]])
+    return {
         "caption": "Kernel overlap of erase over the profiled steps: side-stream kernel time "
                    "during which a main-stream kernel ran, over side-stream kernel time "
                    "(erase_fx.profile.kernel_overlap)",
-        "columns": ["attention", "trace", "side us", "main us", "overlapped us", "fraction"],
-        "rows": [[r["attention"], fmt(r["trace"]),
-                  *((fmt(r["overlap"]["side_us"]), fmt(r["overlap"]["main_us"]),
-                     fmt(r["overlap"]["overlapped_us"]), f"{r['overlap']['fraction']:.1%}")
-                    if r["overlap"] else ("-", "-", "-", r["overlap_message"]))]
-                 for r in runs],
+        "columns": ["attention", "trace", "side us", "main us", "overlapped us", "fraction",
+                    "note"],
+        "rows": rows,
     }
-    timing_table = {
+
+
+def timing_table(settings: RunSettings, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    timer = "CUDA events" if settings.device.type == "cuda" else "perf_counter"
+    rows = []
+    for run in runs:
+        stock = _ms(run["timings"], "compile")
+        for t in run["timings"]:
+            if "error" in t:
+                rows.append([run["attention"], t["variant"], "-", "-", "-", "-", "-",
+                             f"failed: {t['error'][:300]}"])
+                continue
+            rows.append([run["attention"], t["variant"], fmt(t["median_ms"]), fmt(t["min_ms"]),
+                         fmt(t["max_ms"]), _ratio(t["median_ms"], stock),
+                         fmt(t.get("peak_mib")), "-"])
+    return {
         "caption": f"Step time (zero_grad, forward, backward), ms: median of "
                    f"{settings.trials} trials of {settings.steps_per_trial} steps ({timer}); "
                    f"compile = stock torch.compile with {settings.inner}; erase-1stream = the "
                    f"erase program with every segment on one stream",
         "columns": ["attention", "variant", "median ms", "min ms", "max ms", "vs compile",
-                    "peak MiB"],
-        "rows": [[r["attention"], t["variant"], fmt(t["median_ms"]), fmt(t["min_ms"]),
-                  fmt(t["max_ms"]), _ratio(t["median_ms"], _ms(r["timings"], "compile")),
-                  fmt(t.get("peak_mib"))]
-                 for r in runs for t in r["timings"]],
+                    "peak MiB", "note"],
+        "rows": rows,
     }
+
+
+def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str, Any]],
+                  command: str) -> dict[str, Any]:
+    """The results JSON, per the contract of ``bench/paper/README.md``."""
     figures = [{"file": r["timeline"],
                 "caption": f"One erase training step, {r['attention']} attention: kernels per "
                            f"stream (main blue, side orange); trace {r['trace']}"}
@@ -626,7 +694,8 @@ def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str
                  "the forward (ERASE, execution trace)",
         "meta": run_meta(settings.device, command, sizes=sizes, stages=cfg.stages,
                          attention=[r["attention"] for r in runs], inner=settings.inner,
-                         amp_dtype=str(settings.amp_dtype), streams=settings.streams),
+                         amp_dtype=str(settings.amp_dtype), streams=settings.streams,
+                         on_error=settings.on_error),
         "summary": (
             f"A {cfg.depth}-layer GPT (width {cfg.width}, sequence {cfg.seq}, batch "
             f"{cfg.batch}, vocabulary {cfg.vocab}) in {cfg.stages} detached stages of "
@@ -637,7 +706,7 @@ def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str
             f"number for either claim, so both are 'not comparable' (the note says whether "
             f"the measurement agrees qualitatively), unless no overlap is measured at all."
         ),
-        "tables": [blocks_table, overlap_table, timing_table],
+        "tables": [blocks_table(cfg, runs), overlap_table(runs), timing_table(settings, runs)],
         "figures": figures,
         "paper_comparison": [overlap_comparison(runs),
                              fused_attention_comparison(runs, settings.device)],
@@ -670,6 +739,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--streams", type=int, default=4, help="erase's side streams")
     parser.add_argument("--inner", help="inductor (CUDA default) or aot_eager (CPU default)")
+    parser.add_argument("--on-error", choices=("fallback", "raise"), default="fallback",
+                        help="erase's on_error: fallback records why a block is not early "
+                             "and goes on")
     parser.add_argument("--dtype", choices=("bf16", "fp32"),
                         help="autocast dtype: bf16 (CUDA default) or fp32 (CPU default)")
     parser.add_argument("--warmup", type=int, help="steps before profiling and timing")
@@ -704,6 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         amp_dtype=torch.bfloat16 if dtype == "bf16" else None, streams=args.streams,
         variants=variants, warmup=args.warmup, profile_steps=args.profile_steps,
         trials=args.trials, steps_per_trial=args.steps_per_trial, out_dir=args.out_dir,
+        on_error=args.on_error,
     )
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -721,8 +794,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in results["paper_comparison"]:
         print(f"  paper: {row['claim']}: {row['erase_fx']} -> {row['verdict']} "
               f"({row['note']})", flush=True)
-    missing = [r["attention"] for r in runs if r["early_blocks"] != r["expected_early_blocks"]]
-    return 1 if missing else 0
+    return 1 if any(shortfalls(run) for run in runs) else 0
+
+
+def shortfalls(run: dict[str, Any]) -> list[str]:
+    """What went wrong in one attention kind's run: fewer early blocks than expected, errors."""
+    problems = []
+    expected = run["expected_early_blocks"]
+    if run["early_blocks"] != expected:
+        problems.append(f"explain found {run['early_blocks']} early blocks, not {expected}")
+    compiled = _erase_compiled(run)
+    if compiled and compiled["early_blocks"] != expected:
+        problems.append(f"the erase compile has {compiled['early_blocks']} early blocks, "
+                        f"not {expected}")
+    problems += [f"{t['variant']} failed" for t in run["timings"] if "error" in t]
+    for problem in problems:
+        print(f"  {run['attention']}: {problem}", flush=True)
+    return problems
 
 
 if __name__ == "__main__":
