@@ -180,3 +180,15 @@ class PaperSchedule(nn.Module):
         for value in [final, *early_losses]:
             value.record_stream(main)
         return final + sum(early_losses)
+
+
+def mlp_factory():
+    """``erase-fx explain|profile bench.models:mlp_factory``: the mlp:512:1024:2048:6 chain."""
+    cfg = ChainConfig.parse("mlp:512:1024:2048:6")
+    return DetachedChain(cfg), make_inputs(cfg, torch.device("cpu"))
+
+
+def ctr_factory():
+    """``erase-fx explain|profile bench.models:ctr_factory``: the ctr:4096:1024:2048:6 chain."""
+    cfg = ChainConfig.parse("ctr:4096:1024:2048:6")
+    return DetachedChain(cfg), make_inputs(cfg, torch.device("cpu"))
