@@ -92,13 +92,15 @@ def handmade_trace():
         kernel(3, 7, 110, 10),    # step 1, main: 110..120, device time inside step 2's CPU range
         kernel(4, 7, 130, 40),    # step 2, main: 130..170
         kernel(5, 13, 160, 20),   # step 2, side: 160..180, half under main
-        kernel(99, 7, 300, 5),    # no launch event: dropped
+        kernel(98, 13, 185, 5),   # no launch event: its own start time puts it in step 2
+        kernel(99, 7, 300, 5),    # no launch event, in no step: dropped
     ]}
 
 
 def test_kernels_are_attributed_to_the_step_that_launched_them():
     steps = nanochat.kernels_by_step(handmade_trace())
-    assert [[k.name for k in step] for step in steps] == [["k1", "k2", "k3"], ["k4", "k5"]]
+    assert [[k.name for k in step] for step in steps] == [["k1", "k2", "k3"],
+                                                           ["k4", "k5", "k98"]]
 
 
 def test_overlap_of_the_profiled_steps_and_the_timeline(tmp_path):
@@ -106,10 +108,10 @@ def test_overlap_of_the_profiled_steps_and_the_timeline(tmp_path):
     with gzip.open(path, "wt") as file:
         json.dump(handmade_trace(), file)
     overlap, last_step, message = nanochat.measure_overlap(path)
-    # side time 20 + 20, of which 20 + 10 under main-stream kernels
+    # side time 20 + 20 + 5, of which 20 + 10 under main-stream kernels
     assert (overlap.main_stream, overlap.side_streams) == (7, (13,))
-    assert (overlap.side_us, overlap.overlapped_us, overlap.fraction) == (40.0, 30.0, 0.75)
-    assert [k.name for k in last_step] == ["k4", "k5"] and "75.0%" in message
+    assert (overlap.side_us, overlap.overlapped_us) == (45.0, 30.0)
+    assert [k.name for k in last_step] == ["k4", "k5", "k98"] and "66.7%" in message
     picture = tmp_path / "timeline.png"
     nanochat.plot_timeline(last_step, overlap.main_stream, picture, "test")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -119,6 +121,31 @@ def test_a_trace_without_kernels_is_not_measurable(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": handmade_trace()["traceEvents"][:2]}))
     assert nanochat.measure_overlap(path) == (None, [], nanochat.NOT_MEASURABLE_ON_CPU)
+
+
+def fake_run(attention, fraction, compiled_blocks=2, erase_ms=9.0, one_stream_ms=10.0):
+    compiled = {"early_blocks": compiled_blocks, "rejected": [], "fallback": []}
+    if compiled_blocks < 2:
+        compiled["rejected"] = ["not_linear: prims.fma.default is not known to be linear"]
+    return {"attention": attention, "early_blocks": 2, "expected_early_blocks": 2,
+            "overlap": {"fraction": fraction}, "overlap_message": "...",
+            "timings": [{"variant": "erase", "median_ms": erase_ms, "compiled": compiled},
+                        {"variant": "erase-1stream", "median_ms": one_stream_ms}]}
+
+
+def test_paper_rows_count_only_runs_with_the_full_schedule():
+    runs = [fake_run("manual", 0.0, compiled_blocks=0), fake_run("sdpa", 0.4, erase_ms=9.5)]
+    overlap = nanochat.overlap_comparison(runs)
+    assert overlap["erase_fx"].endswith("sdpa attention 40% (timelines in the figures)")
+    assert overlap["verdict"] == "not comparable"
+    assert "manual: the erase compile has 0 of 2 early blocks (not_linear" in overlap["note"]
+    fused = nanochat.fused_attention_comparison(runs, torch.device("cuda"))
+    assert "sdpa attention 1.05x" in fused["erase_fx"] and "needs both" in fused["note"]
+    runs[0] = fake_run("manual", 0.5, erase_ms=8.0)
+    fused = nanochat.fused_attention_comparison(runs, torch.device("cuda"))
+    assert fused["note"].startswith("consistent with the stated limit")
+    runs = [fake_run("manual", 0.0), fake_run("sdpa", 0.0)]
+    assert nanochat.overlap_comparison(runs)["verdict"] == "worse"
 
 
 def test_manual_attention_equals_sdpa():

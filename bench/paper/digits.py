@@ -213,7 +213,9 @@ def compile_summary(reports: Sequence[erase_fx.GraphReport]) -> dict[str, Any]:
         "early_blocks": sum(len(r.blocks) for r in reports),
         "rejected": [f"{x.reason}: {x.detail}" for r in reports for x in r.rejected
                      if x.reason != "last_block"],
-        "fallback": [r.fallback_reason for r in reports if r.fallback_reason],
+        # NB: an InductorError's text holds the whole IR; its first line is enough here
+        "fallback": [" ".join(r.fallback_reason.split())[:300]
+                     for r in reports if r.fallback_reason],
     }
 
 

@@ -282,7 +282,9 @@ def compile_summary(reports: Sequence[erase_fx.GraphReport]) -> dict[str, Any]:
         "early_blocks": sum(len(r.blocks) for r in reports),
         "rejected": [f"{x.reason}: {x.detail}" for r in reports for x in r.rejected
                      if x.reason != "last_block"],
-        "fallback": [r.fallback_reason for r in reports if r.fallback_reason],
+        # NB: an InductorError's text holds the whole IR; its first line is enough here
+        "fallback": [" ".join(r.fallback_reason.split())[:300]
+                     for r in reports if r.fallback_reason],
     }
 
 
@@ -347,13 +349,14 @@ def load_trace(path: Path) -> dict[str, Any]:
 
 
 def kernels_by_step(trace: dict[str, Any]) -> list[list[KernelInterval]]:
-    """The device kernels of each profiled step, by the step their CPU launch belongs to.
+    """The device kernels of each profiled step, sorted by start.
 
-    A kernel's launch (a CUDA runtime or driver call with the same
-    ``correlation`` id) falls inside one ``ProfilerStep#<n>`` range on the
-    CPU; device time alone cannot tell steps apart when the device lags the
-    CPU. Kernels whose launch is in no step range are dropped. Without step
-    ranges, all kernels form one step. Each step's kernels are sorted by start.
+    A kernel belongs to the ``ProfilerStep#<n>`` range (on the CPU) that holds
+    its launch: the CUDA runtime or driver call with the same
+    ``correlation`` id. A kernel without a recorded launch falls back to its
+    own start time, which is right here because `profile_steps`
+    synchronizes before each step ends. Kernels in no step range are
+    dropped; without step ranges, all kernels form one step.
     """
     events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X"]
     steps = sorted(
@@ -374,11 +377,9 @@ def kernels_by_step(trace: dict[str, Any]) -> list[list[KernelInterval]]:
     starts = [start for start, _ in steps]
     per_step: list[list[dict[str, Any]]] = [[] for _ in steps]
     for event in kernel_events:
-        launched = launches.get((event.get("args") or {}).get("correlation"))
-        if launched is None:
-            continue
-        index = bisect.bisect_right(starts, launched) - 1
-        if index >= 0 and launched <= steps[index][1]:
+        when = launches.get((event.get("args") or {}).get("correlation"), float(event["ts"]))
+        index = bisect.bisect_right(starts, when) - 1
+        if index >= 0 and when <= steps[index][1]:
             per_step[index].append(event)
     return [sorted(kernels_from_chrome_trace(step), key=lambda k: (k.start_us, k.stream))
             for step in per_step]
@@ -554,32 +555,58 @@ def _ratio(numerator: float | None, denominator: float | None) -> str:
     return f"{numerator / denominator:.2f}x" if numerator and denominator else "-"
 
 
+def complete_schedule(run: dict[str, Any]) -> str | None:
+    """Why a run's erase compile does not test the claims (None when it does).
+
+    The claims are about the full early-backward schedule: every expected
+    early block compiled, the multi-stream forward kept (no fallback).
+    """
+    compiled = _erase_compiled(run)
+    if compiled is None:
+        return "erase did not run"
+    if compiled["fallback"]:
+        return f"the erase compile fell back: {compiled['fallback'][0][:200]}"
+    if compiled["early_blocks"] != run["expected_early_blocks"]:
+        why = f" ({compiled['rejected'][0][:200]})" if compiled["rejected"] else ""
+        return (f"the erase compile has {compiled['early_blocks']} of "
+                f"{run['expected_early_blocks']} early blocks{why}")
+    return None
+
+
 def overlap_comparison(runs: Sequence[dict[str, Any]]) -> dict[str, str]:
     """The paper's trace (overlap, no number) against the measured overlap fractions.
 
-    Rule: the paper gives no fraction, so the verdict is ``not comparable``
-    unless no overlap was measured at all (every fraction 0: ``worse``); the
-    note says whether the trace is reproduced qualitatively.
+    Rule: the paper gives no fraction, so the verdict is ``not comparable``,
+    unless every run with the full schedule measured no overlap at all
+    (``worse``); the note says whether the trace is reproduced qualitatively
+    and which runs do not count (incomplete schedule, no device kernels).
     """
-    fractions = {r["attention"]: r["overlap"]["fraction"] for r in runs if r["overlap"]}
     row = {
         "claim": "NanoChat: early-backward kernels of detached blocks run concurrently with "
                  "forward kernels (execution trace)",
         "paper": "a trace with side-stream backward kernels under forward kernels; no overlap "
                  "fraction given",
     }
+    fractions, excluded = {}, []
+    for run in runs:
+        why_not = complete_schedule(run) or (None if run["overlap"] else run["overlap_message"])
+        if why_not:
+            excluded.append(f"{run['attention']}: {why_not}")
+        else:
+            fractions[run["attention"]] = run["overlap"]["fraction"]
     if not fractions:
-        reason = runs[0]["overlap_message"] if runs else "no run"
-        return {**row, "erase_fx": "not measured", "verdict": "not comparable", "note": reason}
+        return {**row, "erase_fx": "not measured", "verdict": "not comparable",
+                "note": "; ".join(excluded) or "no run"}
     measured = ", ".join(f"{a} attention {f:.0%}" for a, f in fractions.items())
     seen = max(fractions.values()) > 0
+    note = ("overlap reproduced qualitatively; the paper gives no number to compare"
+            if seen else "no side-stream kernel ran under a forward kernel")
     return {
         **row,
         "erase_fx": f"share of side-stream kernel time overlapped by main-stream kernels: "
                     f"{measured} (timelines in the figures)",
         "verdict": "not comparable" if seen else "worse",
-        "note": ("overlap reproduced qualitatively; the paper gives no number to compare"
-                 if seen else "no side-stream kernel ran under a forward kernel"),
+        "note": "; ".join([note, *excluded]),
     }
 
 
@@ -588,9 +615,10 @@ def fused_attention_comparison(runs: Sequence[dict[str, Any]],
     """The paper's limit (kernels that fill the device leave no room) against step times.
 
     Measured as the speed-up of erase over the same program on one stream
-    (what overlap buys), manual attention against fused SDPA. The paper gives
-    no number: ``not comparable``; the note says whether the fused kernel
-    gained less (consistent with the stated limit).
+    (what overlap buys), manual attention against fused SDPA, on runs with the
+    full schedule. The paper gives no number: ``not comparable``; the note
+    says whether the fused kernel gained less (consistent with the stated
+    limit).
     """
     row = {
         "claim": "NanoChat: kernels that fill the device (fused flash attention) leave little "
@@ -598,24 +626,28 @@ def fused_attention_comparison(runs: Sequence[dict[str, Any]],
         "paper": "stated as a limitation, no number",
         "verdict": "not comparable",
     }
-    speedups = {}
+    speedups, excluded = {}, []
     for run in runs:
         one, multi = _ms(run["timings"], "erase-1stream"), _ms(run["timings"], "erase")
-        if one and multi:
+        why_not = complete_schedule(run) or (None if one and multi else
+                                             "needs erase and erase-1stream step times")
+        if why_not:
+            excluded.append(f"{run['attention']}: {why_not}")
+        else:
             speedups[run["attention"]] = one / multi
     if device.type != "cuda" or not speedups:
         return {**row, "erase_fx": "not measured",
-                "note": "needs erase and erase-1stream step times on a CUDA device"}
+                "note": "; ".join(["needs erase and erase-1stream step times of the full "
+                                   "schedule on a CUDA device", *excluded])}
     measured = ", ".join(f"{a} attention {s:.2f}x" for a, s in speedups.items())
     if {"manual", "sdpa"} <= speedups.keys():
-        consistent = speedups["sdpa"] <= speedups["manual"]
         note = ("consistent with the stated limit: the fused kernel gains less from overlap"
-                if consistent else "the fused kernel gained more from overlap than manual "
-                "attention: not what the stated limit predicts")
+                if speedups["sdpa"] <= speedups["manual"] else "the fused kernel gained more "
+                "from overlap than manual attention: not what the stated limit predicts")
     else:
         note = "needs both attention kinds to compare"
     return {**row, "erase_fx": f"step-time speed-up of erase over the same program on one "
-                              f"stream: {measured}", "note": note}
+                              f"stream: {measured}", "note": "; ".join([note, *excluded])}
 
 
 def _erase_compiled(run: dict[str, Any]) -> dict[str, Any] | None:
