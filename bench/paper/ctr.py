@@ -157,9 +157,9 @@ PAPER_P90_GAIN = 9.51
 #: Presets; a flag given on the command line overrides its preset value.
 PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(steps=1000, seeds=5, batch=4096, eval_every=50, eval_rows=1 << 18,
-                 warmup=20, freeze_steps=100),
+                 warmup=20, freeze_steps=100, budget_s=0),
     "quick": dict(steps=200, seeds=2, batch=4096, eval_every=25, eval_rows=1 << 16,
-                  warmup=10, freeze_steps=100),
+                  warmup=10, freeze_steps=100, budget_s=210),
 }
 
 
@@ -284,17 +284,22 @@ class Dataset:
 
     @classmethod
     def make(cls, sizes: DataSizes, steps: int, batch: int, eval_rows: int, seed: int,
-             device: torch.device) -> Dataset:
+             device: torch.device, train_rows: int | None = None) -> Dataset:
+        """``steps x batch`` training rows (at most ``train_rows``, at least one batch)."""
+        rows = steps * batch if train_rows is None else min(steps * batch, train_rows)
         planted = PlantedCriteo(sizes, seed, device)
-        train, _ = planted.sample(steps * batch, seed, stream=1)
+        train, _ = planted.sample(max(rows // batch, 1) * batch, seed, stream=1)
         held_out, probs = planted.sample(eval_rows, seed, stream=2)
         oracle = common.normalized_entropy(torch.logit(probs.double()), held_out[2])
         return cls(train, held_out, batch, oracle, train[2].mean().item())
 
     def step_batch(self, step: int) -> Batch:
-        """The batch of training step ``step`` (0-based): views into the stream."""
-        rows = slice(step * self.batch, (step + 1) * self.batch)
-        return tuple(t[rows] for t in self.train)  # type: ignore[return-value]
+        """The batch of training step ``step`` (0-based): views into the stream.
+
+        The stream repeats when the steps outrun it (``--train-rows``).
+        """
+        start = step % (self.train[2].numel() // self.batch) * self.batch
+        return tuple(t[start:start + self.batch] for t in self.train)  # type: ignore[return-value]
 
 
 # -- model -----------------------------------------------------------------------
@@ -679,10 +684,12 @@ def freeze_demo(base_sizes: ModelSizes, data: Dataset, settings: Settings, seed:
         runs.append(run)
         say(f"  no-local-loss {variant:16s} final NE {fmt(run.final_ne)}"
             + (f" ERROR {run.error}" if run.error else ""))
-        for row in run.audit:
-            if row["status"] == "FAIL":
-                say(f"    step {row['step']:4d} {row['group']:7s} grad norm {row['grad_norm']:.3g}"
-                    f" FAIL (expected: no local loss reaches it)")
+        for step in settings.audit_steps:
+            frozen = [row["group"] for row in run.audit
+                      if row["step"] == step and row["status"] == "FAIL"]
+            if frozen:
+                say(f"    step {step}: zero gradient FAIL in {', '.join(frozen)} (expected: no "
+                    f"local loss reaches them)")
     with_losses = BlockChainCTR(base_sizes, detach=True, local_losses=True,
                                 local_weight=local_weight)
     batch = tuple(t.cpu() for t in data.step_batch(0))
@@ -918,11 +925,21 @@ def _explain_table(explained: dict[str, Any]) -> dict[str, Any]:
             "columns": ["model", "component", "parameters of", "why"], "rows": rows}
 
 
+def _zero_gradients(run: RunResult) -> list[str]:
+    """One line per audited step with a zero-gradient group: ``eager step 1: front, block1``."""
+    lines = []
+    for step in dict.fromkeys(row["step"] for row in run.audit):
+        frozen = [row["group"] for row in run.audit
+                  if row["step"] == step and row["status"] == "FAIL"]
+        if frozen:
+            lines.append(f"{run.variant} step {step}: zero gradient in {', '.join(frozen)}")
+    return lines
+
+
 def _failures(runs: Sequence[RunResult], exact: list[dict[str, Any]]) -> list[str]:
     failures = [f"{r['variant']} vs {r['reference']} not exact" for r in exact
                 if r["required"] and not r["exact"]]
-    failures += [f"{row['variant']} step {row['step']} {row['group']}: zero gradient"
-                 for run in runs for row in run.audit if row["status"] == "FAIL"]
+    failures += [failure for run in runs for failure in _zero_gradients(run)]
     failures += [f"{run.variant} seed {run.seed}: {run.error}" for run in runs if run.error]
     return failures
 
@@ -946,6 +963,20 @@ def _summary_text(grouped: dict[str, list[RunResult]], data: Dataset,
         text += f" Blocks 1-{k - 1} have no local loss here: they are frozen (zero gradient)."
     if failures:
         text += " **FAIL:** " + "; ".join(failures[:10])
+    return text
+
+
+def _frozen_ne(demo: dict[str, Any], grouped: dict[str, list[RunResult]]) -> str:
+    """The frozen model's eval NE next to the trained one's at the same step (first seed)."""
+    frozen = demo["runs"][0]
+    if frozen.error or not frozen.ne_curve:
+        return ""
+    step, ne = frozen.ne_curve[-1]
+    text = f"; eval NE after {step} steps: {ne:.4f} frozen"
+    trained = grouped.get("eager", [])
+    at_step = [v for s, v in trained[0].ne_curve if s == step] if trained else []
+    if at_step:
+        text += f" vs {at_step[0]:.4f} with local losses (eager)"
     return text
 
 
@@ -1044,12 +1075,15 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
     if demo:
         found = demo["explain"]
         text += (f"; without local losses on blocks 1-{k - 1} their gradient is exactly zero "
-                 f"(frozen): "
-                 f"erase_fx finds {len(found['no_local_loss']['early_blocks'])} early blocks, vs "
-                 f"{len(found['with_local_losses']['early_blocks'])} with local losses")
+                 f"(frozen): erase_fx finds {len(found['no_local_loss']['early_blocks'])} early "
+                 f"blocks, vs {len(found['with_local_losses']['early_blocks'])} with local "
+                 f"losses")
+        text += _frozen_ne(demo, grouped)
+    losses = (f"BCE head on block {k} only (this run: --no-local-loss)" if args.no_local_loss
+              else f"BCE head per block (weight {args.local_weight})")
     rows.append({"claim": "local losses of the detached blocks",
                  "paper": "not specified",
-                 "erase_fx": f"BCE head per block (weight {args.local_weight}); " + text,
+                 "erase_fx": f"{losses}; {text}",
                  "verdict": "not comparable",
                  "note": "without local losses a speed-up comes from freezing blocks, not from "
                          "scheduling"})
@@ -1100,6 +1134,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.use_deterministic_algorithms for every variant")
     parser.add_argument("--strict", action="store_true", help="exit 1 on any FAIL")
+    sizes.add_argument("--budget-s", type=float, default=None,
+                       help="start no new run after this many seconds (0: no limit)")
+    parser.add_argument("--train-rows", type=int, default=None,
+                        help="training rows drawn (default steps x batch); the stream repeats")
     parser.add_argument("--results-dir", default=str(common.DEFAULT_RESULTS_DIR))
     parser.add_argument("--name", default=None,
                         help="results file stem (default: ctr, or ctr-no-local-loss)")
@@ -1126,68 +1164,105 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = args.device
-    command = common.command_line("bench.paper.ctr", argv)
-    say = lambda text: print(text, flush=True)  # noqa: E731
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32
-    torch.backends.cudnn.allow_tf32 = args.tf32
-    if args.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    start = time.perf_counter()
-    say(f"ctr: torch {torch.__version__} on {common.device_name(device)}; variants "
-        f"{','.join(args.variants)}; {args.seeds} seeds x {args.steps} steps, batch {args.batch}")
-    data_sizes = DataSizes(cap=args.cap, rank=args.rank, zipf=args.zipf, ctr=args.ctr)
-    data = Dataset.make(data_sizes, args.steps, args.batch, args.eval_rows, args.data_seed, device)
-    say(f"data: {args.steps * args.batch} training rows, {args.eval_rows} eval rows, click rate "
-        f"{data.train_ctr:.3f}, oracle NE {data.oracle_ne:.4f} "
-        f"({time.perf_counter() - start:.1f} s)")
-    model_sizes = ModelSizes(tuple(data_sizes.rows_per_field()), args.embed_dim, args.bottom,
-                             args.width, args.hidden, args.blocks, args.interaction)
-    settings = Settings(device, args.steps, args.warmup, args.eval_every, args.audit_steps,
-                        args.optimizer, args.lr, args.inner, args.streams)
-    meta = common.run_meta(device, command, quick=args.quick, erase_fx=erase_fx.__version__,
-                           variants=list(args.variants), steps=args.steps, seeds=args.seeds,
-                           batch=args.batch, deterministic=args.deterministic, tf32=args.tf32)
+class Budget:
+    """``--budget-s``: once spent, no new run starts; what ran is kept and written."""
+
+    def __init__(self, seconds: float | None, say: Callable[[str], None]):
+        self.seconds, self.say = seconds, say
+        self.start = time.perf_counter()
+        self.exhausted: str | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def spent(self, where: str) -> bool:
+        if not self.seconds or self.elapsed() < self.seconds:
+            return False
+        if self.exhausted is None:
+            self.exhausted = where
+            self.say(f"--budget-s {self.seconds:g} spent: no new run ({where})")
+        return True
+
+
+def run_seeds(args: argparse.Namespace, data: Dataset, model_sizes: ModelSizes,
+              settings: Settings, budget: Budget, save: Callable[[list[RunResult]], None],
+              say: Callable[[str], None]) -> list[RunResult]:
+    """Every variant of every seed; the variants of a seed start from one module's weights.
+
+    The first seed's runs are audited. After each seed the final parameters
+    are compared across variants and the results file is rewritten.
+    """
     runs: list[RunResult] = []
-    demo: dict[str, Any] | None = None
-
-    def save() -> None:
-        payload = summarize(runs, demo, data, args, meta)
-        common.write_results(args.name, payload, args.results_dir)
-
     total = args.seeds * len(args.variants)
-    for seed_index in range(args.seeds):
-        seed = args.seed + seed_index
+    for seed in range(args.seed, args.seed + args.seeds):
         base = common.build_seeded(lambda: BlockChainCTR(
             model_sizes, detach=True, local_losses=not args.no_local_loss,
             local_weight=args.local_weight), seed)
         seed_runs = []
         for variant in args.variants:
+            if budget.spent(f"after {len(runs)} of {total} runs"):
+                break
             model = base if variant != "baseline" else _undetached(base)
-            run = train_run(variant, seed, model, data, settings, audit=seed_index == 0,
+            run = train_run(variant, seed, model, data, settings, audit=seed == args.seed,
                             keep_params=True)
             seed_runs.append(run)
             runs.append(run)
-            say(_progress(len(runs), total, run, start))
-            for row in run.audit:
-                if row["status"] == "FAIL":
-                    say(f"  FAIL: {variant} step {row['step']} {row['group']} has zero gradient")
+            say(_progress(len(runs), total, run, budget.elapsed()))
+            for failure in _zero_gradients(run):
+                say(f"  FAIL: {failure}")
         compare_final_params(seed_runs)
         _report_exactness(seed_runs, say)
-        save()
+        save(runs)
+        if budget.exhausted:
+            break
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    say = lambda text: print(text, flush=True)  # noqa: E731
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    budget = Budget(args.budget_s, say)
+    say(f"ctr: torch {torch.__version__} on {common.device_name(device)}; variants "
+        f"{','.join(args.variants)}; {args.seeds} seeds x {args.steps} steps, batch {args.batch}")
+    data_sizes = DataSizes(cap=args.cap, rank=args.rank, zipf=args.zipf, ctr=args.ctr)
+    data = Dataset.make(data_sizes, args.steps, args.batch, args.eval_rows, args.data_seed, device,
+                        args.train_rows)
+    say(f"data: {data.train[2].numel()} training rows, {args.eval_rows} eval rows, click rate "
+        f"{data.train_ctr:.3f}, oracle NE {data.oracle_ne:.4f} ({budget.elapsed():.1f} s)")
+    model_sizes = ModelSizes(tuple(data_sizes.rows_per_field()), args.embed_dim, args.bottom,
+                             args.width, args.hidden, args.blocks, args.interaction)
+    settings = Settings(device, args.steps, args.warmup, args.eval_every, args.audit_steps,
+                        args.optimizer, args.lr, args.inner, args.streams)
+    meta = common.run_meta(
+        device, common.command_line("bench.paper.ctr", argv), quick=args.quick,
+        erase_fx=erase_fx.__version__, variants=list(args.variants), steps=args.steps,
+        seeds=args.seeds, batch=args.batch, deterministic=args.deterministic, tf32=args.tf32)
+    demo: dict[str, Any] | None = None
+
+    def save(runs: list[RunResult]) -> dict[str, Any]:
+        if budget.exhausted:
+            meta["budget_exhausted"] = budget.exhausted
+        payload = summarize(runs, demo, data, args, meta)
+        common.write_results(args.name, payload, args.results_dir)
+        return payload
+
+    # NB: the demonstration first: it is cheap, and --budget-s must not skip it.
     if args.freeze_steps > 0 and not args.no_local_loss:
         say(f"no-local-loss demonstration: {args.freeze_steps} steps, eager and erase-aot_eager")
         freeze_settings = dataclasses.replace(settings, steps=args.freeze_steps,
                                               warmup=min(args.warmup, args.freeze_steps))
         demo = freeze_demo(model_sizes, data, freeze_settings, args.seed, args.local_weight, say)
-    save()
-    payload = summarize(runs, demo, data, args, meta)
+    runs = run_seeds(args, data, model_sizes, settings, budget, save, say)
+    payload = save(runs)
     for table in payload["tables"][:3]:
         say(_format_table(table))
     failures = payload["data"]["failures"]
-    say(f"wrote {args.results_dir}/{args.name}.json in {time.perf_counter() - start:.0f} s; "
+    say(f"wrote {args.results_dir}/{args.name}.json in {budget.elapsed():.0f} s; "
         + ("FAIL: " + "; ".join(failures) if failures else "no FAIL"))
     return 1 if failures and args.strict else 0
 
@@ -1209,13 +1284,13 @@ def _report_exactness(runs: list[RunResult], say: Callable[[str], None]) -> None
             f"max |d param| {fmt(numbers['max_param_diff'], 3)} {flag}")
 
 
-def _progress(done: int, total: int, run: RunResult, start: float) -> str:
+def _progress(done: int, total: int, run: RunResult, elapsed: float) -> str:
     head = f"[{done}/{total}] {run.variant:16s} seed {run.seed}"
     if run.error:
         return f"{head}: ERROR {run.error}"
     return (f"{head}: p90 QPS {run.qps['p90']:.4g}, median {run.qps['median']:.4g}, "
             f"step {run.qps['mean_step_ms']:.2f} ms, first step {run.compile_seconds:.1f} s, "
-            f"final NE {run.final_ne:.5f}, elapsed {time.perf_counter() - start:.0f} s")
+            f"final NE {run.final_ne:.5f}, elapsed {elapsed:.0f} s")
 
 
 def _format_table(table: dict[str, Any]) -> str:
