@@ -260,16 +260,16 @@ class PlantedCriteo:
         return dense, sparse
 
     def sample(self, rows: int, seed: int, stream: int) -> tuple[Batch, torch.Tensor]:
-        """``((dense, sparse, labels), click probabilities)`` of ``rows`` impressions."""
+        """``((dense, sparse, labels), planted click logits)`` of ``rows`` impressions."""
         generator = self._generator(seed, stream)
         parts: list[tuple[torch.Tensor, ...]] = []
         for start in range(0, rows, CHUNK_ROWS):
             dense, sparse = self._features(min(CHUNK_ROWS, rows - start), generator)
-            probs = torch.sigmoid(self.logits(dense, sparse))
-            labels = torch.bernoulli(probs, generator=generator)
-            parts.append((dense, sparse, labels, probs))
-        dense, sparse, labels, probs = (torch.cat(column) for column in zip(*parts))
-        return (dense, sparse, labels), probs
+            logits = self.logits(dense, sparse)
+            labels = torch.bernoulli(torch.sigmoid(logits), generator=generator)
+            parts.append((dense, sparse, labels, logits))
+        dense, sparse, labels, logits = (torch.cat(column) for column in zip(*parts))
+        return (dense, sparse, labels), logits
 
 
 @dataclasses.dataclass
@@ -289,8 +289,8 @@ class Dataset:
         rows = steps * batch if train_rows is None else min(steps * batch, train_rows)
         planted = PlantedCriteo(sizes, seed, device)
         train, _ = planted.sample(max(rows // batch, 1) * batch, seed, stream=1)
-        held_out, probs = planted.sample(eval_rows, seed, stream=2)
-        oracle = common.normalized_entropy(torch.logit(probs.double()), held_out[2])
+        held_out, planted_logits = planted.sample(eval_rows, seed, stream=2)
+        oracle = common.normalized_entropy(planted_logits, held_out[2])
         return cls(train, held_out, batch, oracle, train[2].mean().item())
 
     def step_batch(self, step: int) -> Batch:
