@@ -81,7 +81,7 @@ def kernel(correlation, stream, ts, dur):
 
 
 def handmade_trace():
-    """Two profiled steps; the device lags, so step 1's kernels run after step 2 began on the CPU."""
+    """Two profiled steps; the device lags: a step 1 kernel runs after step 2 began on the CPU."""
     return {"traceEvents": [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
@@ -99,8 +99,8 @@ def handmade_trace():
 
 def test_kernels_are_attributed_to_the_step_that_launched_them():
     steps = nanochat.kernels_by_step(handmade_trace())
-    assert [[k.name for k in step] for step in steps] == [["k1", "k2", "k3"],
-                                                           ["k4", "k5", "k98"]]
+    names = [[k.name for k in step] for step in steps]
+    assert names == [["k1", "k2", "k3"], ["k4", "k5", "k98"]]
 
 
 def test_overlap_of_the_profiled_steps_and_the_timeline(tmp_path):

@@ -26,11 +26,10 @@ Linear to the vocabulary) with a next-token cross-entropy loss; the loss is
 the sum. The embeddings train through stage 0's loss.
 
 NB: the vocabulary is small (4096-8192) so the heads do not dominate: a head
-costs ``width * vocab`` multiply-adds per token, a two-layer stage
-``24 * width**2``; at width 384 and vocab 4096 a head is 0.45x of its stage,
-at width 768 and vocab 8192 0.46x. With GPT-2's 50k vocabulary the heads
-would be 2-4x their stage and the trace would show heads, not transformer
-blocks.
+costs ``width * vocab`` weight multiply-adds per token, a two-layer stage
+``24 * width**2``; at width 384 and vocab 4096, or width 768 and vocab 8192,
+a head is 0.44x of its stage. With GPT-2's 50k vocabulary the heads would be
+2.7-5.4x their stage and the trace would show heads, not transformer blocks.
 
 Attention, two ways (``--attention``):
 
@@ -48,6 +47,13 @@ On CUDA: bf16 autocast, erase's inner compiler Inductor, CUDA events for
 timing, CUDA+CPU activities in the profile. On CPU: fp32, ``aot_eager``,
 ``perf_counter``; the trace is still written, but it has no device kernels,
 so the overlap is reported as not measurable (``None``), with the reason.
+
+The GPU run is one-shot, so nothing stops it early: erase compiles with
+``--on-error fallback`` by default (a block erase_fx cannot prove safe stays
+in the backward, a failed segment compile falls back to one stream; the
+reasons are recorded per variant, and the paper rows count only runs with
+the full schedule), and a variant that raises is recorded with its error
+while the others go on. The exit status is 1 when a run fell short.
 
 Writes ``<out-dir>/nanochat.json`` (the results contract of
 ``bench/paper/README.md``), ``nanochat_trace_<attention>.json.gz`` (open in
@@ -646,8 +652,8 @@ def fused_attention_comparison(runs: Sequence[dict[str, Any]],
                 "from overlap than manual attention: not what the stated limit predicts")
     else:
         note = "needs both attention kinds to compare"
-    return {**row, "erase_fx": f"step-time speed-up of erase over the same program on one "
-                              f"stream: {measured}", "note": "; ".join([note, *excluded])}
+    text = f"step-time speed-up of erase over the same program on one stream: {measured}"
+    return {**row, "erase_fx": text, "note": "; ".join([note, *excluded])}
 
 
 def _erase_compiled(run: dict[str, Any]) -> dict[str, Any] | None:
