@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     base = DetachedMLP(data.features, args.width, args.layers).to(device)
     reports = erase_fx.explain(base, data.x_train[:args.batch], data.y_train[:args.batch],
-                               erase_options={"streams": args.streams})
+                               erase_options={"streams": args.streams, "cudagraphs": False})
     explained = sum(len(r.blocks) for r in reports)
     print(f"    explain: {'; '.join(r.summary() for r in reports)}", flush=True)
     print(f"    early blocks found: {explained} (expected layers - 1 = {args.layers - 1})",
