@@ -771,6 +771,9 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
                        "columns": ["variant", *[f"p90 vs {r}" for r in STOCK_VARIANTS],
                                    "median vs best stock"],
                        "rows": speed})
+    decisions = _erase_decisions_table(grouped)
+    if decisions["rows"]:
+        tables.append(decisions)
     audit_rows = [row for run in runs for row in run.audit]
     if audit_rows:
         tables.append(_audit_table(audit_rows, "Gradient audit (first seed): norm of each "
@@ -883,6 +886,23 @@ def _speed_rows(grouped: dict[str, list[RunResult]]) -> list[list[Any]]:
                      if best else "-")
         rows.append([variant, *cells])
     return rows
+
+
+def _erase_decisions_table(grouped: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """What erase_fx did with each erase variant's graph (first seed): early or left, and why."""
+    rows = []
+    for variant in ERASE_VARIANTS[::-1]:
+        for report in (grouped[variant][0].erase_reports if variant in grouped else []):
+            early = ["+".join(sorted({group_of_param(p) for p in block["params"]}))
+                     for block in report["blocks"]]
+            left = [f"{'+'.join(sorted({group_of_param(p) for p in c['params']}))} "
+                    f"({c['reason']}: {c['detail']})" for c in report["rejected"]]
+            rows.append([variant, report["inner"], ", ".join(early) or "none",
+                         "; ".join(left) or "-", report.get("fallback_reason") or "-"])
+    return {"caption": "What erase_fx did with each erase variant's graph: the blocks whose "
+                       "backward runs early, and what stays in the backward, with the reason",
+            "columns": ["variant", "inner", "early blocks", "left in the backward",
+                        "stock path"], "rows": rows}
 
 
 def _best_stock(grouped: dict[str, list[RunResult]], stat: str, exclude: str = "") -> str | None:
