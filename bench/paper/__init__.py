@@ -1,1 +1,4 @@
-"""Reproductions of the ERASE paper's experiments: one script per experiment, results in bench/results/paper/."""
+"""Reproductions of the ERASE paper's experiments.
+
+One script per experiment, results in ``bench/results/paper/``; see README.md.
+"""

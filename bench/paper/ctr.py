@@ -690,8 +690,8 @@ def freeze_demo(base_sizes: ModelSizes, data: Dataset, settings: Settings, seed:
             if frozen:
                 say(f"    step {step}: zero gradient FAIL in {', '.join(frozen)} (expected: no "
                     f"local loss reaches them)")
-    with_losses = BlockChainCTR(base_sizes, detach=True, local_losses=True,
-                                local_weight=local_weight)
+    with_losses = common.build_seeded(lambda: BlockChainCTR(
+        base_sizes, detach=True, local_losses=True, local_weight=local_weight), seed)
     batch = tuple(t.cpu() for t in data.step_batch(0))
     explained = {
         "with_local_losses": explain_model(with_losses, batch, settings.streams),
