@@ -196,6 +196,7 @@ def draw_all(payload: Mapping[str, Any], results_dir: Path) -> dict[str, str | N
             drawn[figure["file"]] = None if target.exists() else "not found"
             continue
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             draw_figure(figure, payload["meta"], target)
             drawn[figure["file"]] = None
         except ImportError:
@@ -246,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     path = write_report(results_dir, args.out)
     valid, rejected = load_results(results_dir)
+    for source, payload in valid:
+        for row in comparison_rows(source, payload):
+            print(f"{row[0]}: {row[1]}: paper {row[2]}; erase_fx {row[3]} -> {row[4].strip('*')}")
     print(f"wrote {path} from {len(valid)} file(s)"
           + (f"; skipped {', '.join(p.name for p, _ in rejected)}" if rejected else ""))
     return 0
