@@ -41,6 +41,8 @@ another stream.
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
@@ -67,6 +69,7 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
         owner[node] = meta.block if meta is not None and meta.role is Role.EARLY_BACKWARD else None
     _move_shared_early_nodes_to_main(nodes, owner)
     _pull_heads_into_blocks(nodes, owner)
+    _keep_getitems_with_producers(nodes, owner)
 
     after_join: set[fx.Node] = set()
     for node in nodes:
@@ -127,6 +130,22 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
         if all(owner.get(user) is not None or user.op == "output" or user in feeds_output_only
                for user in node.users):
             owner[node] = blocks.pop()
+
+
+def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict) -> None:
+    """An element of a multi-output op runs where the op runs.
+
+    A tuple-valued node (``_scaled_dot_product_flash_attention`` returns the
+    output and the logsumexp) cannot cross a segment boundary: segments
+    return tensors. When only its backward reads one element, the stock
+    partitioner leaves that ``getitem`` among the block's nodes; it moves to
+    the op's stream, and the block reads the element from there.
+    """
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            producer = node.args[0]
+            if isinstance(producer, fx.Node) and producer.op == "call_function":
+                owner[node] = owner[producer]
 
 
 def _returned_to_the_user(output: fx.Node) -> set[fx.Node] | None:

@@ -86,12 +86,23 @@ SCATTER_LIKE: dict[Any, tuple[int, ...]] = {
     aten.constant_pad_nd: (0, 2),
     aten.copy: (1,),
     aten.masked_scatter: (0, 2),
+    **{packet: (0, 3) for packet in _packets(
+        # Inductor's decompositions of an embedding's backward and of masked indexing
+        "aten._unsafe_masked_index_put_accumulate", "aten._unsafe_masked_index")},
 }
+
+#: fma(a, b, c) = a * b + c (Inductor decomposes softmax's backward into it):
+#: linear when exactly one factor depends on the tangent and the addend does
+#: too or is zero.
+#: (``prims.fma`` is registered by Inductor on import: matched by name.)
+FMA_NAMES = frozenset({"prims::fma"})
 
 #: The quotient x / y is linear in x only.
 DIVISION = _packets(
     "aten.div", "prims.div",
 )
+
+_CONCATENATIONS = _packets("aten.cat", "aten.stack")
 
 ZERO_FACTORIES = _packets(
     "aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.full", "aten.full_like",
@@ -156,16 +167,22 @@ def linearity_violation(node: fx.Node, dependent: Container[fx.Node]) -> str | N
     keys = {key for key, _ in dep}
 
     if packet in LINEAR_IN_FIRST:
-        return None if keys == {0} else f"{op_name} reads the loss gradient in a non-linear position"
+        if keys == {0}:
+            return None
+        return f"{op_name} reads the loss gradient in a non-linear position"
     if packet in MULTILINEAR:
         if len(dep) == 1:
             return None
         return f"{op_name} multiplies two values that depend on the loss gradient"
     if packet in DIVISION:
-        return None if keys == {0} else f"{op_name} divides by a value that depends on the loss gradient"
+        if keys == {0}:
+            return None
+        return f"{op_name} divides by a value that depends on the loss gradient"
+    if getattr(packet, "_qualified_op_name", None) in FMA_NAMES:
+        return _fma_violation(node, keys, op_name)
     if packet in ADDITIVE:
         others = [a for _, a in args if a not in dependent]
-        if all(is_zero_constant(a) for a in others) and _scalar_operands_are_zero(node):
+        if all(is_zero_constant(a) for a in others) and _scalar_operands_are_zero(node, packet):
             return None
         return f"{op_name} adds a constant to the loss gradient (affine, not linear)"
     if packet in SCATTER_LIKE:
@@ -192,9 +209,25 @@ def linearity_violation(node: fx.Node, dependent: Container[fx.Node]) -> str | N
     return f"{op_name} is not known to be linear in the loss gradient"
 
 
-def _scalar_operands_are_zero(node: fx.Node) -> bool:
-    """For add/sub with a Python scalar operand (``x + 2``), that scalar must be 0."""
-    for value in node.args[1:]:
-        if isinstance(value, (bool, int, float)) and value != 0:
-            return False
-    return True
+def _fma_violation(node: fx.Node, keys: set, op_name: str) -> str | None:
+    factors = keys & {0, 1}
+    if len(factors) == 2:
+        return f"{op_name} multiplies two values that depend on the loss gradient"
+    addend = node.args[2] if len(node.args) > 2 else None
+    if not factors:
+        return f"{op_name} adds the loss gradient to a product that does not depend on it"
+    if 2 in keys or is_zero_constant(addend):
+        return None
+    return f"{op_name} adds a constant to the loss gradient (affine, not linear)"
+
+
+def _scalar_operands_are_zero(node: fx.Node, packet: Any) -> bool:
+    """For add/sub with a Python scalar operand (``x + 2``), that scalar must be 0.
+
+    (``cat``'s and ``stack``'s scalar argument is the dimension, not an operand;
+    ``alpha`` scales an operand and keeps the sum linear.)
+    """
+    if packet in _CONCATENATIONS:
+        return True
+    value = node.args[1] if len(node.args) > 1 else None
+    return not (isinstance(value, (bool, int, float)) and value != 0)

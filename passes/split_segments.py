@@ -133,20 +133,33 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
     ordered = [n for n in nodes if n.op == "placeholder"]
     for block in launches.get(-1, []):
         ordered.extend(block_nodes[block])
+    # NB: the elements of a multi-output op stay right after it, in its segment.
+    elements: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if _is_element(node) and get_meta(node).stream == MAIN_STREAM:
+            elements.setdefault(node.args[0], []).append(node)
     after_join = []
     for node in nodes:
         if node.op in ("placeholder", "output"):
             continue
         meta = get_meta(node)
-        if meta.stream != MAIN_STREAM:
+        if meta.stream != MAIN_STREAM or (_is_element(node) and node.args[0] in elements):
             continue
+        here = [node, *elements.get(node, [])]
         if meta.after_join:
-            after_join.append(node)
+            after_join.extend(here)
             continue
-        ordered.append(node)
-        for block in launches.get(position[node], []):
-            ordered.extend(block_nodes[block])
+        ordered.extend(here)
+        for launch_point in here:
+            for block in launches.get(position[launch_point], []):
+                ordered.extend(block_nodes[block])
     return ordered + after_join + [n for n in nodes if n.op == "output"]
+
+
+def _is_element(node: fx.Node) -> bool:
+    """A ``getitem`` of a multi-output op (not of a graph input)."""
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "call_function")
 
 
 def _name_and_box_segments(

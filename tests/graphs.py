@@ -135,6 +135,51 @@ class ClippedChain(Chain):
         return loss
 
 
+class AttentionStage(nn.Module):
+    """Causal self-attention (fused SDPA or written out) and a local head."""
+
+    def __init__(self, d: int = 16, heads: int = 2, classes: int = 5, fused: bool = True):
+        super().__init__()
+        self.heads, self.fused = heads, fused
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return out.transpose(1, 2).reshape(b, t, d)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + self.attend(x)
+        return h, F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+class AttentionChain(nn.Module):
+    """Detached attention stages with local losses (a transformer's shape, tiny)."""
+
+    def __init__(self, stages: int = 3, fused: bool = True):
+        super().__init__()
+        self.stages = nn.ModuleList(AttentionStage(fused=fused) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = 0
+        for stage in self.stages:
+            x, local = stage(x, y)
+            loss = loss + local
+            x = x.detach()
+        return loss
+
+
+def attention_inputs(batch: int = 2, t: int = 8, d: int = 16, classes: int = 5):
+    return torch.randn(batch, t, d), torch.randint(0, classes, (batch, t))
+
+
 def chain_inputs(batch: int = 6, d: int = 16, classes: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, d), torch.randint(0, classes, (batch,))
 

@@ -11,6 +11,8 @@ import torch.nn as nn
 
 import erase_fx
 from graphs import (
+    AttentionChain,
+    attention_inputs,
     BatchNormBlocks,
     Chain,
     GraphBreakChain,
@@ -54,6 +56,16 @@ def test_gradients_equal_eager_with_inductor(model, inputs, blocks):
     reports = reports_of(lambda: check_parity(model(), inputs, options={"inner": "inductor"},
                                               steps=2, rtol=1e-4, atol=1e-5))
     assert len(reports[0].blocks) == blocks
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "written-out"])
+def test_attention_blocks_go_early_with_inductor(fused):
+    # NB: SDPA is a multi-output op whose logsumexp only the backward reads;
+    # written-out attention's softmax backward decomposes to prims.fma.
+    reports = reports_of(lambda: check_parity(AttentionChain(3, fused=fused), attention_inputs,
+                                              options={"inner": "inductor"}, steps=2,
+                                              rtol=1e-4, atol=1e-5))
+    assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
 
 
 def test_model_without_detach_takes_the_stock_path():
