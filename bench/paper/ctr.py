@@ -804,7 +804,7 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
         "meta": meta,
         "summary": _summary_text(grouped, data, args, failures),
         "tables": tables,
-        "figures": _figures(grouped, name),
+        "figures": _figures(grouped, name, data.oracle_ne),
         "paper_comparison": _paper_comparison(grouped, demo, exact, audit_rows, args),
         "data": {
             "failures": failures,
@@ -1005,7 +1005,18 @@ def _frozen_ne(demo: dict[str, Any], grouped: dict[str, list[RunResult]]) -> str
     return text
 
 
-def _figures(grouped: dict[str, list[RunResult]], name: str) -> list[dict[str, Any]]:
+def _ne_ylim(curves: list[dict[str, Any]], oracle: float) -> list[float | None]:
+    """A y range that shows training, not the untrained model's NE at step 0."""
+    later = [y for c in curves for x, y in zip(c["x"], c["y"]) if x > 0 and not math.isnan(y)]
+    if not later:
+        return [None, None]
+    low, high = min(min(later), oracle), max(later)
+    margin = 0.05 * (high - low) or 0.01
+    return [low - margin, high + margin]
+
+
+def _figures(grouped: dict[str, list[RunResult]], name: str,
+             oracle_ne: float) -> list[dict[str, Any]]:
     curves = []
     for variant in VARIANTS:
         runs = grouped.get(variant)
@@ -1027,8 +1038,11 @@ def _figures(grouped: dict[str, list[RunResult]], name: str) -> list[dict[str, A
     if curves:
         figures.append({"file": f"{name}_ne_curves.png", "kind": "line",
                         "caption": "Eval NE of the last block's head during training, mean ± std "
-                                   "over seeds (lower is better)",
-                        "xlabel": "training step", "ylabel": "eval NE", "series": curves})
+                                   "over seeds (lower is better; the step-0 point is above the "
+                                   "plotted range when it is cut)",
+                        "xlabel": "training step", "ylabel": "eval NE", "series": curves,
+                        "ylim": _ne_ylim(curves, oracle_ne),
+                        "hlines": [{"y": oracle_ne, "label": "oracle NE (planted model)"}]})
     if bars:
         figures.append({"file": f"{name}_qps.png", "kind": "bar",
                         "caption": "Per-step QPS: median, p90 and p10 over the timed steps, "

@@ -87,8 +87,13 @@ def draw_figure(figure: Mapping[str, Any], meta: Mapping[str, Any], path: Path) 
             _draw_lines(ax, figure["series"])
         else:
             _draw_bars(ax, figure["series"], figure.get("categories"))
+        for line in figure.get("hlines", []):
+            ax.axhline(float(line["y"]), color="gray", linestyle=":", linewidth=1,
+                       label=line.get("label"))
         if figure.get("logy"):
             ax.set_yscale("log")
+        if figure.get("ylim"):
+            ax.set_ylim(*(None if v is None else float(v) for v in figure["ylim"]))
         ax.set_xlabel(figure.get("xlabel", ""))
         ax.set_ylabel(figure.get("ylabel", ""))
         ax.set_title(figure.get("title") or textwrap.fill(figure["caption"], 80), fontsize=10)
