@@ -40,14 +40,12 @@ Model (`BlockChainCTR`)
     products of distinct pairs by multiplying the 27x27 matrix with a strict
     upper-triangle mask (``--interaction mask``, the default): the same
     features as DLRM's ``index_select`` of the upper triangle
-    (``--interaction select``), whose backward (``new_zeros`` then
-    ``index_add``) erase_fx does not yet prove linear, so it would keep block
-    1 and the front in the backward (4 early blocks instead of 5). With
-    Inductor inside erase, the embedding's backward decomposes to
-    ``_unsafe_masked_index_put_accumulate``, which erase_fx does not yet
-    prove linear either (torch 2.13): the results' table of erase_fx's
-    decisions shows, per erase variant, which blocks ran early and why the
-    others did not.
+    (``--interaction select``), whose backward under ``aot_eager``
+    (``new_zeros`` then ``index_add``) erase_fx does not yet prove linear:
+    ``erase-aot_eager`` would keep block 1 and the front in the backward (4
+    early blocks instead of 5; Inductor's decomposition is proven). The
+    results' table of erase_fx's decisions shows, per erase variant, which
+    blocks ran early and why the others did not.
 
 Local losses (the reviewers' first point)
     Every block has an explicit local objective: BCE-with-logits of its head
