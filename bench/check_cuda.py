@@ -144,12 +144,14 @@ PATTERNS = ("zero-before-forward", "zero-after-forward", "accumulate", "zero-in-
 
 
 def check_patterns(cfg, device, steps=4):
-    """Training loops of each shape: erase with CUDA graphs vs stock Inductor, and replay counts.
+    """Training loops of each shape: erase with CUDA graphs vs eager, and replay counts.
 
     Replaying a graph while its previous outputs (saved tensors, gradients
     handed out as aliases of graph memory) are still used would be wrong;
-    erase then runs that call without the graph. Parameters after a few
-    optimizer steps must match stock Inductor's in every loop shape.
+    erase then runs that call without the graph. With ``inner="aot_eager"``
+    the kernels are eager's, so parameters after a few optimizer steps must
+    equal eager's exactly in every loop shape (Inductor's rounding, amplified
+    by ReLU flips over optimizer steps, would hide a small error).
     """
     torch.backends.cuda.matmul.allow_tf32 = False
     results = []
@@ -159,10 +161,9 @@ def check_patterns(cfg, device, steps=4):
         model = copy.deepcopy(reference_model)
         generator = torch.Generator(device=device).manual_seed(1)
         batches = [[make_inputs(cfg, device, generator) for _ in range(2)] for _ in range(steps)]
-        reference = train_pattern(reference_model, torch.compile(reference_model), pattern,
-                                  batches)
+        reference = train_pattern(reference_model, reference_model, pattern, batches)
         before = set(map(id, erase_graphs()))
-        compiled = compile_erase(model, inner="inductor", cudagraphs=True)
+        compiled = compile_erase(model, inner="aot_eager", cudagraphs=True)
         result = train_pattern(model, compiled, pattern, batches)
         new = [g for g in erase_graphs() if id(g) not in before]
         replays = (sum(g.replays for g in new),
@@ -329,9 +330,9 @@ def main(argv=None) -> int:
           f"{'OK' if ok else 'FAIL'}", flush=True)
 
     for pattern, err, (fw_replays, bw_replays) in check_patterns(parity_cfg, device):
-        ok = err <= 1e-4
+        ok = err <= 1e-6
         failures += not ok
-        print(f"training loop {pattern}, CUDA graphs on: params vs stock inductor after 4 SGD "
+        print(f"training loop {pattern}, CUDA graphs on, aot_eager: params vs eager after 4 SGD "
               f"steps: max rel err {err:.2e}, replays fw {fw_replays} bw {bw_replays} "
               f"{'OK' if ok else 'FAIL'}", flush=True)
 
