@@ -51,6 +51,8 @@ LINEAR_IN_FIRST = _packets(
     "aten.transpose_copy", "aten.unsqueeze_copy", "aten.squeeze_copy", "aten._unsafe_index",
     "aten.real", "aten.view_as_real", "aten.view_as_complex", "aten.conj_physical",
     "aten._conj", "aten.lift_fresh_copy", "prims.convert_element_type", "prims.view_of",
+    # zeros shaped like the gradient: they read only its shape, dtype and device
+    "aten.zeros_like", "aten.new_zeros",
     "prims.broadcast_in_dim", "prims.squeeze", "prims.sum", "prims.reshape", "prims.transpose",
     "prims.collapse_view", "prims.split_dim", "prims.expand_dims",
 )

@@ -176,6 +176,37 @@ class AttentionChain(nn.Module):
         return loss
 
 
+class SelectStage(nn.Module):
+    """A stage that picks features with a tensor built in the forward (a graph constant)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.body, self.head = nn.Linear(d, d), nn.Linear(d // 2, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.body(x).relu()
+        picked = torch.index_select(z, 1, torch.tensor([0, 2, 4, 6]))
+        return z, F.binary_cross_entropy_with_logits(self.head(picked).squeeze(-1), y)
+
+
+class SelectChain(nn.Module):
+    def __init__(self, stages: int = 3):
+        super().__init__()
+        self.stages = nn.ModuleList(SelectStage() for _ in range(stages))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = 0
+        for stage in self.stages:
+            x, local = stage(x, y)
+            loss = loss + local
+            x = x.detach()
+        return loss
+
+
+def select_inputs(batch: int = 6):
+    return torch.randn(batch, 8), torch.rand(batch)
+
+
 def attention_inputs(batch: int = 2, t: int = 8, d: int = 16, classes: int = 5):
     return torch.randn(batch, t, d), torch.randint(0, classes, (batch, t))
 

@@ -16,12 +16,14 @@ from graphs import (
     BatchNormBlocks,
     Chain,
     GraphBreakChain,
+    SelectChain,
     TwoBlock,
     TwoBlockNoDetach,
     TwoBlockTwoOutputs,
     assert_same_grads,
     chain_inputs,
     check_parity,
+    select_inputs,
     two_block_inputs,
 )
 
@@ -64,6 +66,16 @@ def test_attention_blocks_go_early_with_inductor(fused):
     # written-out attention's softmax backward decomposes to prims.fma.
     reports = reports_of(lambda: check_parity(AttentionChain(3, fused=fused), attention_inputs,
                                               options={"inner": "inductor"}, steps=2,
+                                              rtol=1e-4, atol=1e-5))
+    assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_tensor_constants_read_by_several_segments(inner):
+    # NB: torch.tensor([...]) in the forward is a get_attr constant of the split
+    # module, and index_select's backward is index_add into new_zeros.
+    reports = reports_of(lambda: check_parity(SelectChain(3), select_inputs,
+                                              options={"inner": inner}, steps=2,
                                               rtol=1e-4, atol=1e-5))
     assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
 

@@ -59,3 +59,17 @@ def test_masked_index_put_accumulate_is_linear_in_self_and_values():
     node = graph.call_function(aten._unsafe_masked_index_put_accumulate.default,
                                (values, mask, [g], values))
     assert "non-linear position" in linearity_violation(node, {g})
+
+
+@pytest.mark.parametrize("target, args", [
+    (aten.new_zeros.default, ("g", [3])),
+    (aten.zeros_like.default, ("g",)),
+])
+def test_zeros_shaped_like_the_gradient_are_linear(target, args):
+    node, dependent = op(target, *args)
+    assert linearity_violation(node, dependent) is None
+
+
+def test_ones_shaped_like_the_gradient_are_not_known_linear():
+    node, dependent = op(aten.ones_like.default, "g")
+    assert linearity_violation(node, dependent) is not None

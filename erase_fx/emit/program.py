@@ -79,6 +79,7 @@ class StreamProgram:
         num_slots: int,
         results: tuple[tuple[str, Any], ...],
         streams: StreamOps,
+        constants: tuple[tuple[int, Any], ...] = (),
     ):
         # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
         # the instance __dict__, not class attributes, and AOT reads this flag.
@@ -86,6 +87,7 @@ class StreamProgram:
         self.steps = steps
         self.num_inputs = num_inputs
         self.num_slots = num_slots
+        self.constants = constants  # (slot, value): tensor constants of the split module
         self.results = results  # ("slot", i) or ("const", value), per graph output
         self.streams = streams
         self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
@@ -108,11 +110,18 @@ class StreamProgram:
         for i, node in enumerate(placeholders):
             slot[node] = i
         raw_steps = []
+        constants = []
         for node in graph.nodes:
             if node.op == "call_module":
                 raw_steps.append(node)
             elif node.op == "call_function" and node.target is operator.getitem:
                 slot[node] = len(slot)
+            elif node.op == "get_attr":
+                # NB: a tensor built in the forward (torch.tensor([...])) is a
+                # constant of the graph; split_module keeps it at the top level
+                # when several segments read it.
+                slot[node] = len(slot)
+                constants.append((slot[node], _fetch_attr(segmented.gm, node.target)))
             elif node.op not in ("placeholder", "output"):
                 raise GraphInvariantError(WHERE, f"unexpected top-level {node.op} in the split "
                                           "module", node=node.name)
@@ -146,12 +155,15 @@ class StreamProgram:
                 frees=tuple(s for s, last in last_reader.items() if last == k and s not in kept),
                 joins=tuple(joins),
             ))
-        return cls(tuple(steps), len(placeholders), len(slot), results, streams)
+        return cls(tuple(steps), len(placeholders), len(slot), results, streams,
+                   tuple(constants))
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
             raise GraphInvariantError(WHERE, f"expected {self.num_inputs} inputs, got {len(args)}")
         env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
+        for slot, value in self.constants:
+            env[slot] = value
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         streams = self.streams
         # NB: under CUDA graph capture nothing is freed before the join: freeing
@@ -177,6 +189,13 @@ class StreamProgram:
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _capturing() -> bool:
