@@ -160,12 +160,12 @@ class AttentionStage(nn.Module):
         return h, F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-class AttentionChain(nn.Module):
-    """Detached attention stages with local losses (a transformer's shape, tiny)."""
+class StageChain(nn.Module):
+    """Stages that each return (output, local loss); each stage reads the last one detached."""
 
-    def __init__(self, stages: int = 3, fused: bool = True):
+    def __init__(self, stages: Sequence[nn.Module]):
         super().__init__()
-        self.stages = nn.ModuleList(AttentionStage(fused=fused) for _ in range(stages))
+        self.stages = nn.ModuleList(stages)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = 0
@@ -174,6 +174,11 @@ class AttentionChain(nn.Module):
             loss = loss + local
             x = x.detach()
         return loss
+
+
+def attention_chain(stages: int = 3, fused: bool = True) -> StageChain:
+    """Detached attention stages with local losses (a transformer's shape, tiny)."""
+    return StageChain([AttentionStage(fused=fused) for _ in range(stages)])
 
 
 class SelectStage(nn.Module):
@@ -189,18 +194,8 @@ class SelectStage(nn.Module):
         return z, F.binary_cross_entropy_with_logits(self.head(picked).squeeze(-1), y)
 
 
-class SelectChain(nn.Module):
-    def __init__(self, stages: int = 3):
-        super().__init__()
-        self.stages = nn.ModuleList(SelectStage() for _ in range(stages))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = 0
-        for stage in self.stages:
-            x, local = stage(x, y)
-            loss = loss + local
-            x = x.detach()
-        return loss
+def select_chain(stages: int = 3) -> StageChain:
+    return StageChain([SelectStage() for _ in range(stages)])
 
 
 def select_inputs(batch: int = 6):

@@ -11,18 +11,18 @@ import torch.nn as nn
 
 import erase_fx
 from graphs import (
-    AttentionChain,
-    attention_inputs,
     BatchNormBlocks,
     Chain,
     GraphBreakChain,
-    SelectChain,
     TwoBlock,
     TwoBlockNoDetach,
     TwoBlockTwoOutputs,
     assert_same_grads,
+    attention_chain,
+    attention_inputs,
     chain_inputs,
     check_parity,
+    select_chain,
     select_inputs,
     two_block_inputs,
 )
@@ -64,7 +64,7 @@ def test_gradients_equal_eager_with_inductor(model, inputs, blocks):
 def test_attention_blocks_go_early_with_inductor(fused):
     # NB: SDPA is a multi-output op whose logsumexp only the backward reads;
     # written-out attention's softmax backward decomposes to prims.fma.
-    reports = reports_of(lambda: check_parity(AttentionChain(3, fused=fused), attention_inputs,
+    reports = reports_of(lambda: check_parity(attention_chain(3, fused=fused), attention_inputs,
                                               options={"inner": "inductor"}, steps=2,
                                               rtol=1e-4, atol=1e-5))
     assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
@@ -74,7 +74,7 @@ def test_attention_blocks_go_early_with_inductor(fused):
 def test_tensor_constants_read_by_several_segments(inner):
     # NB: torch.tensor([...]) in the forward is a get_attr constant of the split
     # module, and index_select's backward is index_add into new_zeros.
-    reports = reports_of(lambda: check_parity(SelectChain(3), select_inputs,
+    reports = reports_of(lambda: check_parity(select_chain(3), select_inputs,
                                               options={"inner": inner}, steps=2,
                                               rtol=1e-4, atol=1e-5))
     assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
