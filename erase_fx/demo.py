@@ -68,7 +68,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import erase_fx
-from erase_fx.cli import format_report, format_table
+from erase_fx.report_text import format_report, format_table
 from erase_fx.config import INNER_COMPILERS
 from erase_fx.report import GraphReport
 

@@ -1,0 +1,100 @@
+"""Reports as text: the table ``erase-fx explain`` and the demo print.
+
+`format_report` renders a `GraphReport`: each early block with its stream,
+parameters, ready point and estimated backward FLOPs, then each component
+left in the backward with its reason. `format_table` lays out any rows in
+left-aligned columns.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from erase_fx.report import GraphReport
+
+#: How many parameter names a table row shows before "...".
+PARAM_NAMES_SHOWN = 2
+
+
+def format_report(report: GraphReport) -> str:
+    """A readable table of one graph's early blocks and rejected components."""
+    lines = [_heading(report)]
+    if report.fallback_reason:
+        lines.append(f"  stock path: {report.fallback_reason}")
+    if report.blocks:
+        rows = [
+            (b.id, b.stream, len(b.params), first_names(b.params), b.ready_after, b.num_nodes,
+             _si(b.flops), _share(b.flops, report.backward_flops))
+            for b in report.blocks
+        ]
+        headers = ("block", "stream", "#params", "params", "ready after", "nodes", "bwd FLOPs",
+                   "share of bwd")
+        lines += format_table(headers, rows, indent="  ")
+    if report.rejected:
+        lines.append("  left in the backward:")
+        rows = [
+            (r.reason, len(r.params), first_names(r.params), r.num_nodes, _si(r.flops),
+             _share(r.flops, report.backward_flops),
+             r.detail + (f" (node {r.node})" if r.node else ""))
+            for r in report.rejected
+        ]
+        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "share of bwd", "detail")
+        lines += format_table(headers, rows, indent="    ")
+    if report.blocks or report.rejected:
+        lines.append(TABLE_KEY)
+    return "\n".join(lines)
+
+
+#: What the table's columns mean, printed under each graph's table.
+TABLE_KEY = (
+    "  (#params: parameter tensors whose gradients the component computes; ready after: the "
+    "forward node\n   after which an early block's backward can start; stream: the side stream "
+    "it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of the whole "
+    "backward's FLOPs)"
+)
+
+
+def _share(flops: int, total: int) -> str:
+    return f"{flops / total:.0%}" if total else "-"
+
+
+def _heading(report: GraphReport) -> str:
+    return (
+        f"graph {report.graph_id}: {_count(len(report.blocks), 'early block')}, "
+        f"{_count(len(report.rejected), 'component')} left in the backward\n  "
+        f"{report.early_share:.0%} of the backward FLOPs run early "
+        f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
+        f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def first_names(names: Sequence[str], shown: int = PARAM_NAMES_SHOWN) -> str:
+    text = ", ".join(names[:shown])
+    return text + (", ..." if len(names) > shown else "")
+
+
+def _si(value: float) -> str:
+    """1234567 -> '1.23M'."""
+    for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:g}"
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns; the last column is not padded."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return [
+        indent + "  ".join(
+            cell.ljust(width) if i < len(row) - 1 else cell
+            for i, (cell, width) in enumerate(zip(row, widths))
+        )
+        for row in cells
+    ]
