@@ -2,9 +2,19 @@
 
 The replay itself needs a GPU; ``bench/check_cuda.py`` checks it there.
 """
+import contextlib
+
+import pytest
 import torch
 
-from erase_fx.emit.cudagraphs import AliasOf, _OwnedMemory, plan_outputs, realize_outputs
+from erase_fx.emit.cudagraphs import (
+    AliasOf,
+    GraphedBackward,
+    GraphedForward,
+    _OwnedMemory,
+    plan_outputs,
+    realize_outputs,
+)
 
 
 def test_plan_marks_outputs_that_live_in_input_memory():
@@ -42,3 +52,153 @@ def test_owned_memory_is_in_use_while_an_alias_lives():
     assert memory.in_use()
     del grad
     assert not memory.in_use()
+
+
+# -- the replay state machine, with a stand-in for CUDA graphs -----------------
+#
+# A `FakeGraph` "captures" by remembering the call made under it and
+# "replays" by running that call again and writing the results into the
+# captured outputs' memory, as a real replay writes into the graph's memory.
+# That is enough to check which calls replay, that replay never overwrites
+# tensors still in use, and that every call returns the right values.
+
+
+class FakeGraph:
+    capturing: "FakeGraph | None" = None
+
+    def __init__(self):
+        self.call = None
+        self.replays = 0
+
+    def replay(self):
+        fn, inputs_of, outputs = self.call
+        for out, value in zip(outputs, fn(list(inputs_of()))):
+            if out is not None:
+                out.copy_(value)
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def fake_capture(graph):
+    FakeGraph.capturing = graph
+    try:
+        yield
+    finally:
+        FakeGraph.capturing = None
+
+
+def captured(fn, inputs_of=None):
+    """``fn`` (boxed), telling a fake capture what it ran.
+
+    Like a real graph, the fake holds no tensor it does not own: the
+    backward's inputs (the forward's memory) are looked up at replay
+    (``inputs_of``), and outputs that live in input memory are not kept.
+    """
+    def run(args):
+        inputs = list(args)
+        outputs = fn(args)
+        if FakeGraph.capturing is not None:
+            owned = {a.untyped_storage().data_ptr() for a in inputs}
+            kept = [None if o.untyped_storage().data_ptr() in owned else o for o in outputs]
+            FakeGraph.capturing.call = (fn, inputs_of or (lambda: inputs), kept)
+        return outputs
+    return run
+
+
+def forward(args):
+    """User output: the loss; saved: the activation and an early gradient."""
+    x, w = args
+    h = x @ w
+    return [h.square().sum(), h, 2 * x.t() @ h]
+
+
+def backward(args):
+    """The gradient computed here, then the early one passed through."""
+    h, early, tangent = args
+    return [tangent * h.sum(0), early]
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    w = torch.randn(3, 3)
+    fw = GraphedForward(captured(forward), num_user_outputs=1, static_input_indices=[1],
+                        device=torch.device("cpu"), name="test")
+    bw = GraphedBackward(
+        captured(backward, inputs_of=lambda: fw.static_outputs[1:] + bw.static_tangents),
+        fw, num_saved=2, name="test backward")
+    return fw, bw, w
+
+
+def step(fw, bw, w, x):
+    loss, h, early = fw([x, w])
+    grads = bw([h, early, torch.ones(())])
+    return loss, grads
+
+
+def test_replays_after_warm_up_and_capture_with_fresh_inputs(graphed):
+    fw, bw, w = graphed
+    for _ in range(4):
+        x = torch.randn(2, 3)
+        loss, (grad, early) = step(fw, bw, w, x)
+        expected_loss, h, expected_early = forward([x, w])
+        assert torch.equal(loss, expected_loss)
+        assert torch.equal(grad, h.sum(0)) and torch.equal(early, expected_early)
+        del grad, early
+    assert (fw.calls, fw.replays, bw.replays) == (4, 3, 3)
+
+
+def test_forward_does_not_replay_over_saved_tensors_still_in_use(graphed):
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    first = fw([torch.randn(2, 3), w])  # replayed; its saved tensors are now held
+    kept = [t.clone() for t in first]
+    second = fw([torch.randn(2, 3), w])  # must not overwrite `first`
+    assert fw.replays == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))
+    grads = bw(first[1:] + [torch.ones(())])  # the replayed forward's backward replays
+    assert bw.replays == 1 and torch.equal(grads[1], kept[2])
+    del grads
+    grads = bw(second[1:] + [torch.ones(())])  # not from a replay: runs without the graph
+    assert bw.replays == 1 and torch.equal(grads[1], second[2])
+
+
+def test_gradients_kept_across_steps_are_never_overwritten(graphed):
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    _, (grad, early) = step(fw, bw, w, torch.randn(2, 3))  # replayed; grads held, as .grad is
+    assert early.data_ptr() == fw.static_outputs[2].data_ptr()  # no copy: graph memory
+    grad_before, early_before = grad.clone(), early.clone()
+    replays = fw.replays, bw.replays
+    x = torch.randn(2, 3)
+    loss, (grad2, early2) = step(fw, bw, w, x)  # accumulation: the held grads must survive
+    assert (fw.replays, bw.replays) == replays
+    assert torch.equal(grad, grad_before) and torch.equal(early, early_before)
+    assert torch.equal(early2, forward([x, w])[2])
+    del grad, early, grad2, early2
+    step(fw, bw, w, torch.randn(2, 3))  # released (zero_grad(set_to_none=True)): replays again
+    assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1] + 1)
+
+
+def test_a_moved_parameter_is_captured_again(graphed):
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    moved = w.clone() * 2
+    x = torch.randn(2, 3)
+    loss, (grad, early) = step(fw, bw, moved, x)
+    expected_loss, h, expected_early = forward([x, moved])
+    assert torch.equal(loss, expected_loss) and torch.equal(early, expected_early)
+
+
+def test_backward_does_not_replay_over_its_gradients_still_in_use(graphed):
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    _, (grad, early) = step(fw, bw, w, torch.randn(2, 3))
+    del early  # the early gradient (forward memory) is released, the other one is kept
+    kept = grad.clone()
+    replays = fw.replays, bw.replays
+    x = torch.randn(2, 3)
+    _, (grad2, _) = step(fw, bw, w, x)
+    assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1])
+    assert torch.equal(grad, kept) and torch.equal(grad2, forward([x, w])[1].sum(0))

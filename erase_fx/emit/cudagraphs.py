@@ -214,9 +214,8 @@ class GraphedForward:
             self.backward.reset()
 
     def _static_inputs_stable(self, args: list[Any]) -> bool:
-        return len(args) == len(self.static_input_ptrs) and \
-            torch._C._tensors_data_ptrs_at_indices_equal(
-                args, self.static_input_ptrs, self.static_input_indices)
+        return len(args) == len(self.static_input_ptrs) and _data_ptrs_equal(
+            args, self.static_input_ptrs, self.static_input_indices)
 
     def _copy_inputs(self, args: list[Any]) -> None:
         indices = [i for i in self.copied_input_indices
@@ -235,8 +234,7 @@ class GraphedForward:
     def replayed_saved(self, saved: Sequence[Any]) -> bool:
         """Whether ``saved`` (a backward's saved inputs) are the last replay's saved outputs."""
         return (self.graph is not None and self.replays > 0 and len(saved) == len(self.saved_ptrs)
-                and torch._C._tensors_data_ptrs_at_indices_equal(
-                    list(saved), self.saved_ptrs, self.saved_tensor_indices))
+                and _data_ptrs_equal(list(saved), self.saved_ptrs, self.saved_tensor_indices))
 
 
 class GraphedBackward:
@@ -317,6 +315,14 @@ class GraphedBackward:
         del outputs, inputs
         owned = [p for p in self.output_plan if isinstance(p, torch.Tensor)]
         self.memory = _OwnedMemory(owned + self.static_tangents)
+
+
+def _data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
+    """``tensors[i].data_ptr() == ptrs[i]`` for each i in ``indices`` (in C++ on CUDA builds)."""
+    fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if fast is not None:
+        return fast(tensors, ptrs, indices)
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
 def _storage_uses(tensor: torch.Tensor) -> int:
