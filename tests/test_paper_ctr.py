@@ -8,10 +8,11 @@ block without one gets none (and erase_fx finds no early block there).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
+from paper_helpers import one_thread  # noqa: F401 - autouse fixture
+from paper_helpers import run_experiment
 
 from bench.paper import common, ctr
 
@@ -26,21 +27,10 @@ TINY = ["--device", "cpu", "--seeds", "1", "--batch", "32", "--cap", "200", "--e
 GROUPS = ["front", *(f"block{i}" for i in range(1, BLOCKS + 1))]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny kernels gain nothing from more, and a busy CPU stalls them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_ctr_results_follow_the_contract_and_erase_equals_eager(tmp_path):
-    assert ctr.main([*TINY, "--steps", "10", "--freeze-steps", "0",
-                     "--results-dir", str(tmp_path)]) == 0
-
-    payload = json.loads((tmp_path / "ctr.json").read_text())
-    assert common.validate_results(payload) == []
+    code, payload = run_experiment(ctr.main, "ctr", [*TINY, "--steps", "10", "--freeze-steps",
+                                                     "0"], tmp_path)
+    assert code == 0
     assert set(common.REQUIRED_KEYS) <= set(payload)
     assert set(common.META_KEYS) <= set(payload["meta"])
     assert payload["meta"]["command"].startswith("python -m bench.paper.ctr --device cpu")

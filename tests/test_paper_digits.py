@@ -1,36 +1,27 @@
-"""bench.paper.digits on CPU: a tiny end-to-end run, exactness of erase against eager, the data."""
-import json
-
+"""bench.paper.digits on CPU: a tiny end-to-end run, exactness of erase against eager, the data,
+and the paper rows."""
 import pytest
 import torch
+from paper_helpers import one_thread  # noqa: F401 - autouse fixture
+from paper_helpers import run_experiment
 
 from bench.paper import digits
-from bench.paper.common import validate_results
 
 TINY = ["--device", "cpu", "--size", "8", "--width", "32", "--layers", "3", "--batch", "64",
         "--epochs", "2", "--steps", "2", "--warmup", "1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """NB: one intra-op thread: on a loaded 2-core runner two threads spin against each other."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def test_cpu_run_writes_contract_json_and_erase_matches_eager_exactly(tmp_path):
-    code = digits.main([*TINY, "--variants", "eager,erase", "--on-error", "raise",
-                        "--out-dir", str(tmp_path)])
+    code, results = run_experiment(digits.main, "digits",
+                                   [*TINY, "--variants", "eager,erase", "--on-error", "raise"],
+                                   tmp_path)
     assert code == 0
-    results = json.loads((tmp_path / "digits.json").read_text())
-    assert validate_results(results) == []
     eager, erase = results["data"]["runs"]
     assert (eager["variant"], erase["variant"]) == ("eager", "erase")
     # 3 detached layers: the first two are early blocks.
     assert results["tables"][2]["rows"] == [[3, 2, 2]]
-    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": []}
+    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": [],
+                                 "cudagraph_failures": []}
     # inner aot_eager on CPU: trained weights and every head's accuracy equal eager's exactly
     assert erase["must_equal_eager"] and erase["equal_to_eager"]
     assert erase["max_param_diff"] == 0.0
@@ -70,3 +61,39 @@ def test_variants_on_cpu_drop_graphs_and_the_duplicate_exactness_run():
     assert digits.variants_for(digits.VARIANTS, cpu, "aot_eager") == (
         "eager", "compile", "erase", "erase-1stream")
     assert "erase-aot_eager" in digits.variants_for(digits.VARIANTS, cpu, "inductor")
+
+
+def timing(variant, forward_ms, backward_ms):
+    return {"variant": variant, "forward_ms": forward_ms, "backward_ms": backward_ms,
+            "total_ms": forward_ms + backward_ms}
+
+
+@pytest.mark.parametrize("with_stock", [True, False])
+def test_erase_and_erase_graphs_get_a_verdict_each(with_stock):
+    rows = [timing("eager", 1.0, 2.0), timing("compile", 1.0, 1.5), timing("erase", 2.0, 1.6),
+            timing("erase-graphs", 0.5, 0.8)]
+    if not with_stock:
+        rows.pop(1)
+    comparison = digits.paper_comparison(rows)
+    verdicts = {row["erase_fx"]: row["verdict"] for row in comparison}
+    expected = {"-20% backward time (erase vs eager)": "worse",
+                "-60% backward time (erase-graphs vs eager)": "equal"}
+    if with_stock:
+        expected |= {"+7% backward time (erase vs stock torch.compile)": "worse",
+                     "-47% backward time (erase-graphs vs stock torch.compile)": "worse"}
+    assert {k: v for k, v in verdicts.items() if "backward time" in k} == expected
+    graphs_notes = [row["note"] for row in comparison if "erase-graphs vs" in row["erase_fx"]]
+    assert all("part of the difference is replay" in note for note in graphs_notes)
+    # every backward row says what the forward and the total step paid
+    notes = {row["erase_fx"]: row["note"] for row in comparison}
+    assert notes["-20% backward time (erase vs eager)"].endswith(
+        "inside the forward: forward +100.0%, total step +20.0% vs eager")
+    total = comparison[-1]
+    assert total["verdict"] == "not comparable"
+    assert total["erase_fx"].startswith("erase +20.0% vs eager")
+    assert "; erase-graphs -56.7% vs eager" in total["erase_fx"]
+
+
+def test_paper_rows_without_an_erase_variant_say_so():
+    (row,) = digits.paper_comparison([timing("eager", 1.0, 2.0)])
+    assert (row["erase_fx"], row["verdict"]) == ("not measured", "not comparable")

@@ -1,45 +1,40 @@
-"""bench.paper.nanochat on CPU: a tiny end-to-end run, the trace step attribution, the model."""
+"""bench.paper.nanochat on CPU: a tiny end-to-end run, the trace step attribution, the paper
+rows, the model."""
 import gzip
 import json
 
-import pytest
 import torch
+from paper_helpers import one_thread  # noqa: F401 - autouse fixture
+from paper_helpers import run_experiment
 
 from bench.paper import nanochat
-from bench.paper.common import validate_results
 
 TINY = ["--device", "cpu", "--depth", "3", "--layers-per-stage", "1", "--width", "32",
         "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64", "--warmup", "1",
         "--profile-steps", "1", "--trials", "1", "--steps", "1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """NB: one intra-op thread: on a loaded 2-core runner two threads spin against each other."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
-    code = nanochat.main([*TINY, "--attention", "sdpa", "--variants", "eager,erase",
-                          "--on-error", "raise", "--out-dir", str(tmp_path)])
+    # NB: erase-graphs is asked for and dropped: no CUDA graphs on CPU.
+    code, results = run_experiment(nanochat.main, "nanochat",
+                                   [*TINY, "--attention", "sdpa", "--variants",
+                                    "eager,erase,erase-graphs", "--on-error", "raise"], tmp_path)
     assert code == 0
-    results = json.loads((tmp_path / "nanochat.json").read_text())
-    assert validate_results(results) == []
     (run,) = results["data"]["runs"]
+    assert [t["variant"] for t in run["timings"]] == ["eager", "erase"]
     # 3 stages of one layer: the first two are early blocks, the last stays in the backward.
     assert run["early_blocks"] == run["expected_early_blocks"] == 2
     erase = next(t for t in run["timings"] if t["variant"] == "erase")
-    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": []}
+    assert erase["compiled"] == {"early_blocks": 2, "rejected": [], "fallback": [],
+                                 "cudagraph_failures": []}
     # On CPU there are no device kernels: the overlap is not measurable, and says so.
-    assert run["overlap"] is None
-    assert "not measurable on CPU" in run["overlap_message"]
-    assert run["timeline"] is None and results["figures"] == []
+    (profile,) = run["profiles"]
+    assert profile["variant"] == "erase" and profile["overlap"] is None
+    assert "not measurable on CPU" in profile["overlap_message"]
+    assert profile["timeline"] is None and results["figures"] == []
     # The trace is still written, with the profiled step in it.
-    trace_path = tmp_path / run["trace"]
-    assert run["trace"] == "nanochat_trace_sdpa.json.gz"
+    trace_path = tmp_path / profile["trace"]
+    assert profile["trace"] == "nanochat_trace_sdpa.json.gz"
     with gzip.open(trace_path, "rt") as file:
         events = json.load(file)["traceEvents"]
     assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
@@ -49,25 +44,28 @@ def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
 def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     real = nanochat.compile_variant
 
-    def broken(name, model, settings):
+    def broken(name, model, **options):
         if name == "erase":
             raise RuntimeError("segment compile exploded")
-        return real(name, model, settings)
+        return real(name, model, **options)
 
     monkeypatch.setattr(nanochat, "compile_variant", broken)
     monkeypatch.setattr(nanochat, "count_early_blocks", lambda *args: 2)
-    (tmp_path / "nanochat_trace_manual.json.gz").write_text("stale")
-    code = nanochat.main([*TINY, "--attention", "manual", "--variants", "erase,eager",
-                          "--out-dir", str(tmp_path)])
+    for stale in ("nanochat_trace_manual.json.gz", "nanochat_trace_manual_graphs.json.gz"):
+        (tmp_path / stale).write_text("stale")
+    code, results = run_experiment(nanochat.main, "nanochat",
+                                   [*TINY, "--attention", "manual", "--variants", "erase,eager"],
+                                   tmp_path)
     assert code == 1
-    results = json.loads((tmp_path / "nanochat.json").read_text())
     (run,) = results["data"]["runs"]
     erase, eager = run["timings"]
     assert erase == {"variant": "erase", "error": "RuntimeError: segment compile exploded"}
     assert eager["median_ms"] > 0
-    assert run["trace"] is None and "erase failed" in run["overlap_message"]
-    assert not (tmp_path / "nanochat_trace_manual.json.gz").exists()  # the stale one is gone
-    assert validate_results(results) == []
+    (profile,) = run["profiles"]
+    assert profile["trace"] is None and "erase failed" in profile["overlap_message"]
+    assert not list(tmp_path.glob("nanochat_trace_*"))  # the stale ones are gone
+    (overlap, _) = results["paper_comparison"]
+    assert overlap["erase_fx"] == "erase (no CUDA graphs): not measured"
 
 
 def launch(correlation, ts):
@@ -117,25 +115,53 @@ def test_overlap_of_the_profiled_steps_and_the_timeline(tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_graphs_variant_is_read_from_its_own_trace(tmp_path):
+    cfg = nanochat.GPTConfig(depth=2, width=32, heads=4, seq=16, batch=2, vocab=64,
+                             layers_per_stage=1)
+    with gzip.open(tmp_path / "nanochat_trace_sdpa_graphs.json.gz", "wt") as file:
+        json.dump(handmade_trace(), file)
+    rows = [{"variant": "erase", "error": "RuntimeError: no"}, {"variant": "erase-graphs"}]
+    graphs = nanochat.read_profile("erase-graphs", cfg, rows, tmp_path)
+    assert graphs["trace"] == "nanochat_trace_sdpa_graphs.json.gz"
+    assert graphs["overlap"]["fraction"] == 30.0 / 45.0
+    assert graphs["timeline"] == "nanochat_timeline_sdpa_graphs.png"
+    assert (tmp_path / graphs["timeline"]).exists()
+    erase = nanochat.read_profile("erase", cfg, rows, tmp_path)
+    assert erase["trace"] is None
+    assert erase["overlap_message"] == "no trace: erase failed (RuntimeError: no)"
+
+
 def test_a_trace_without_kernels_is_not_measurable(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": handmade_trace()["traceEvents"][:2]}))
     assert nanochat.measure_overlap(path) == (None, [], nanochat.NOT_MEASURABLE_ON_CPU)
 
 
-def fake_run(attention, fraction, compiled_blocks=2, erase_ms=9.0, one_stream_ms=10.0):
-    compiled = {"early_blocks": compiled_blocks, "rejected": [], "fallback": []}
+def fake_run(attention, fraction, compiled_blocks=2, erase_ms=9.0, one_stream_ms=10.0,
+             graphs_fraction=None, graphs_failures=()):
+    """A run's results as `run_attention` returns them; erase-graphs only with its fraction."""
+    compiled = {"early_blocks": compiled_blocks, "rejected": [], "fallback": [],
+                "cudagraph_failures": []}
     if compiled_blocks < 2:
         compiled["rejected"] = ["not_linear: prims.fma.default is not known to be linear"]
-    return {"attention": attention, "early_blocks": 2, "expected_early_blocks": 2,
-            "overlap": {"fraction": fraction}, "overlap_message": "...",
-            "timings": [{"variant": "erase", "median_ms": erase_ms, "compiled": compiled},
-                        {"variant": "erase-1stream", "median_ms": one_stream_ms}]}
+    run = {"attention": attention, "early_blocks": 2, "expected_early_blocks": 2,
+           "profiles": [{"variant": "erase", "overlap": {"fraction": fraction},
+                         "overlap_message": "..."}],
+           "timings": [{"variant": "erase", "median_ms": erase_ms, "compiled": compiled},
+                       {"variant": "erase-1stream", "median_ms": one_stream_ms}]}
+    if graphs_fraction is not None:
+        graphs = {**compiled, "cudagraph_failures": list(graphs_failures)}
+        run["timings"].append({"variant": "erase-graphs", "median_ms": 5.0, "compiled": graphs})
+        run["profiles"].append({"variant": "erase-graphs",
+                                "overlap": {"fraction": graphs_fraction},
+                                "overlap_message": "..."})
+    return run
 
 
 def test_paper_rows_count_only_runs_with_the_full_schedule():
     runs = [fake_run("manual", 0.0, compiled_blocks=0), fake_run("sdpa", 0.4, erase_ms=9.5)]
-    overlap = nanochat.overlap_comparison(runs)
+    (overlap,) = nanochat.overlap_comparison(runs)
+    assert overlap["erase_fx"].startswith("erase (no CUDA graphs): share of side-stream")
     assert overlap["erase_fx"].endswith("sdpa attention 40% (timelines in the figures)")
     assert overlap["verdict"] == "not comparable"
     assert "manual: the erase compile has 0 of 2 early blocks (not_linear" in overlap["note"]
@@ -145,7 +171,25 @@ def test_paper_rows_count_only_runs_with_the_full_schedule():
     fused = nanochat.fused_attention_comparison(runs, torch.device("cuda"))
     assert fused["note"].startswith("consistent with the stated limit")
     runs = [fake_run("manual", 0.0), fake_run("sdpa", 0.0)]
-    assert nanochat.overlap_comparison(runs)["verdict"] == "worse"
+    (overlap,) = nanochat.overlap_comparison(runs)
+    assert overlap["verdict"] == "worse" and "launch-bound" in overlap["note"]
+
+
+def test_erase_and_erase_graphs_get_an_overlap_verdict_each():
+    runs = [fake_run("sdpa", 0.0, graphs_fraction=0.44)]
+    erase, graphs = nanochat.overlap_comparison(runs)
+    assert erase["erase_fx"].startswith("erase (no CUDA graphs): ")
+    assert erase["verdict"] == "worse"
+    assert graphs["erase_fx"].startswith("erase-graphs (CUDA graph replay, erase_fx's default")
+    assert graphs["erase_fx"].endswith("sdpa attention 44% (timelines in the figures)")
+    assert graphs["verdict"] == "not comparable"
+    # a failed capture means erase-graphs ran without replay: its overlap does not count
+    runs = [fake_run("sdpa", 0.0, graphs_fraction=0.44,
+                     graphs_failures=["erase_fx graph 0: CUDA graph capture failed: ..."])]
+    _, graphs = nanochat.overlap_comparison(runs)
+    assert graphs["erase_fx"].endswith("default on CUDA): not measured")
+    assert "erase-graphs runs without replay" in graphs["note"]
+    assert any("without CUDA graph replay" in p for p in nanochat.shortfalls(runs[0]))
 
 
 def test_manual_attention_equals_sdpa():
@@ -173,5 +217,10 @@ def test_quick_preset_and_explicit_flags():
     args = nanochat.parse_args(["--quick", "--depth", "8"])
     assert (args.depth, args.width, args.seq, args.vocab) == (8, 384, 512, 4096)
     assert args.variants == nanochat.QUICK["variants"]
+    # the overlap under CUDA graph replay is measured in --quick too (dropped on CPU)
+    assert "erase-graphs" in args.variants.split(",") and args.attention == "sdpa"
+    both = nanochat.parse_args(["--quick", "--attention", "manual,sdpa"])
+    assert both.attention == "manual,sdpa"
     full = nanochat.parse_args([])
     assert (full.depth, full.width, full.seq, full.vocab) == (12, 768, 1024, 8192)
+    assert full.attention == "manual,sdpa" and full.variants == ",".join(nanochat.VARIANTS)

@@ -5,17 +5,26 @@
   the CPU) and throughput statistics (`throughput_stats`: median, p90, p10
   of per-step QPS);
 - normalized entropy (`normalized_entropy`);
-- the results contract (`validate_results`, `write_results`, `run_meta`):
-  every experiment writes one JSON file, ``<results_dir>/<name>.json``, that
-  `bench.paper.report` turns into ``REPORT.md``. The contract is documented in
-  ``bench/paper/README.md`` and checked here.
+- the variants the experiments compare (`compile_variant`, `one_stream`,
+  `capture_erase_warnings`, `compile_summary`, `compiled_notes`,
+  `variant_failed`, `print_compiled`) and the command-line flags they share
+  (`add_erase_arguments`);
+- the results contract (`validate_results`, `write_results`, `run_meta`,
+  `table`): every experiment writes one JSON file,
+  ``<results_dir>/<name>.json``, that `bench.paper.report` turns into
+  ``REPORT.md``. The contract is documented in ``bench/paper/README.md`` and
+  checked here.
 
-Nothing here imports erase_fx: the helpers measure, they do not compile.
+erase_fx is imported only where a helper needs it (`one_stream`), so
+`bench.paper.report` renders results without loading it.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -25,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +168,144 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values)
 
 
+# -- variants --------------------------------------------------------------------
+
+#: What an erase variant's name selects (digits and nanochat; ctr names its own).
+#: ``erase``: the erase backend with the run's inner compiler, no CUDA graphs;
+#: ``erase-graphs``: the same with CUDA graph replay (erase_fx's default on
+#: CUDA); ``erase-1stream``: ``erase`` compiled under `one_stream`;
+#: ``erase-aot_eager``: inner ``aot_eager``, which must train exactly as eager.
+GRAPHS_VARIANT = "erase-graphs"
+
+
+def compile_variant(name: str, model: torch.nn.Module, *, inner: str, streams: int,
+                    on_error: str = "fallback") -> Callable[..., Any]:
+    """The callable variant ``name`` trains with (compiled lazily, on its first call).
+
+    ``eager`` is the module itself, ``compile`` stock ``torch.compile`` with
+    ``inner``; every other name is ``backend="erase"`` (see `GRAPHS_VARIANT`).
+    """
+    if name == "eager":
+        return model
+    if name == "compile":
+        return torch.compile(model, backend=inner)
+    options = {
+        "inner": "aot_eager" if name == "erase-aot_eager" else inner,
+        "streams": streams,
+        "cudagraphs": name == GRAPHS_VARIANT,
+        "on_error": on_error,
+    }
+    return torch.compile(model, backend="erase", options=options)
+
+
+@contextlib.contextmanager
+def one_stream() -> Iterator[None]:
+    """Programs compiled in this block run every segment on the current stream.
+
+    The same erase program with no overlap possible: the baseline that
+    separates what overlap buys from what moving work buys (the trick of
+    ``bench/check_cuda.py``'s ``OneStream``).
+    """
+    import erase_fx.compilation
+    from erase_fx.emit import VirtualStreams
+
+    saved = erase_fx.compilation.CudaStreams
+    erase_fx.compilation.CudaStreams = lambda device, n: VirtualStreams()
+    try:
+        yield
+    finally:
+        erase_fx.compilation.CudaStreams = saved
+
+
+def variant_context(name: str) -> contextlib.AbstractContextManager:
+    """`one_stream` for ``erase-1stream``; nothing for the other variants."""
+    return one_stream() if name == "erase-1stream" else contextlib.nullcontext()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def capture_erase_warnings() -> Iterator[list[str]]:
+    """The warnings the ``erase_fx`` logger emits in this block (the messages, in order).
+
+    NB: a failed CUDA graph capture is only logged (erase_fx then runs
+    without replay, and no `GraphReport` says so): `compile_summary` reads
+    it from here.
+    """
+    handler = _Records()
+    logger = logging.getLogger("erase_fx")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def compile_summary(reports: Sequence[Any], warnings: Sequence[str] = ()) -> dict[str, Any]:
+    """What erase did with the graphs it compiled: early blocks, and why any fell short.
+
+    ``reports`` are `erase_fx.GraphReport`; ``rejected`` leaves out the last
+    block (it is never early); with ``on_error="fallback"`` a block erase_fx
+    cannot prove safe, or a failed segment compile, shows up here instead of
+    stopping the run. ``cudagraph_failures``: the CUDA graph captures that
+    failed (from ``warnings``, see `capture_erase_warnings`); those graphs
+    ran without replay.
+    """
+    return {
+        "early_blocks": sum(len(r.blocks) for r in reports),
+        "rejected": [f"{x.reason}: {x.detail}" for r in reports for x in r.rejected
+                     if x.reason != "last_block"],
+        # NB: an InductorError's text holds the whole IR; its first line is enough here
+        "fallback": [" ".join(r.fallback_reason.split())[:300]
+                     for r in reports if r.fallback_reason],
+        "cudagraph_failures": [" ".join(w.split())[:300] for w in warnings
+                               if "CUDA graph" in w],
+    }
+
+
+def compiled_notes(compiled: Mapping[str, Any]) -> list[str]:
+    """Why a `compile_summary` fell short: rejected blocks, fallbacks, failed CUDA graphs."""
+    return (list(compiled["rejected"]) + list(compiled["fallback"])
+            + list(compiled.get("cudagraph_failures", ())))
+
+
+def print_compiled(name: str, compiled: Mapping[str, Any], width: int) -> None:
+    """Print what `compile_summary` found, indented under the variant's line."""
+    print(f"    {'':{width}s} {compiled['early_blocks']} early blocks compiled", flush=True)
+    for line in compiled_notes(compiled):
+        print(f"    {'':{width}s} NB: {line[:300]}", flush=True)
+
+
+def variant_failed(name: str, error: Exception, width: int) -> dict[str, Any]:
+    """A variant's results when it raised: its name and the error (printed too).
+
+    NB: the GPU runs are one-shot: the caller records this and goes on, so
+    the other variants still count.
+    """
+    message = f"{type(error).__name__}: {str(error).strip()[:800]}"
+    print(f"    {name:{width}s} FAILED: {message}", flush=True)
+    return {"variant": name, "error": message}
+
+
+def add_erase_arguments(parser: argparse.ArgumentParser, results_help: str | None = None) -> None:
+    """The flags digits and nanochat share: device, erase's options, where results go."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--inner", help="inductor (CUDA default) or aot_eager (CPU default)")
+    parser.add_argument("--streams", type=int, default=4, help="erase's side streams")
+    parser.add_argument("--on-error", choices=("fallback", "raise"), default="fallback",
+                        help="erase's on_error: fallback records why a block is not early "
+                             "and goes on")
+    parser.add_argument("--out-dir", "--results-dir", dest="out_dir", type=Path,
+                        default=DEFAULT_RESULTS_DIR, help=results_help)
+
+
 # -- metrics -------------------------------------------------------------------
 
 
@@ -192,16 +339,37 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def git_commit() -> str | None:
-    """The repository's HEAD commit, or None where there is no git checkout."""
+def _git(*args: str) -> str | None:
+    """``git <args>``'s output in the repository root; None if git fails or is missing."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-            capture_output=True, text=True, timeout=10,
-        )
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout if out.returncode == 0 else None
+
+
+#: Left out of the dirty check: what the experiments write, not code.
+RESULTS_PATHSPEC = ":(exclude)bench/results"
+
+
+def git_commit() -> str | None:
+    """HEAD's short commit, ``"<sha>-dirty"`` when the tree differs from it; None without git.
+
+    Dirty means ``git status --porcelain`` lists anything outside
+    ``bench/results`` (changed, staged or untracked files): the code that ran
+    is not that commit. NB: on a copied working tree (the device machine's)
+    ``.git`` may be older than the files: the commit is then the copy's
+    stale HEAD, and the copied changes show as dirty. Only a clean ``<sha>``
+    says the code that ran is that commit.
+    """
+    sha = (_git("rev-parse", "--short", "HEAD") or "").strip()
+    if not sha:
+        return None
+    status = _git("status", "--porcelain", "--", ".", RESULTS_PATHSPEC)
+    if status is None:
+        return f"{sha}-unknown"  # NB: HEAD is known, whether the tree matches it is not
+    return f"{sha}-dirty" if status.strip() else sha
 
 
 def command_line(module: str, argv: Sequence[str] | None) -> str:
@@ -222,6 +390,15 @@ def run_meta(device: torch.device, command: str, **extra: Any) -> dict[str, Any]
     }
     meta.update(extra)
     return meta
+
+
+def table(caption: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """One ``tables`` entry of the contract; raises ValueError on a row of the wrong width."""
+    columns, rows = list(columns), [list(row) for row in rows]
+    bad = [index for index, row in enumerate(rows) if len(row) != len(columns)]
+    if bad:
+        raise ValueError(f"table {caption[:60]!r}: rows {bad} do not have {len(columns)} cells")
+    return {"caption": caption, "columns": columns, "rows": rows}
 
 
 def validate_results(payload: Mapping[str, Any]) -> list[str]:

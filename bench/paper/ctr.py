@@ -761,19 +761,19 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
     tables = [_variant_table(grouped, data)]
     exact = _exactness_rows(grouped)
     if exact:
-        tables.append({"caption": "Exactness: largest difference from the reference over every "
-                       "step and seed (erase-aot_eager vs eager must be exactly 0)",
-                       "columns": ["variant", "reference", "seeds", "max |d train loss|",
-                                   "max |d final NE|", "max |d NE curve|", "max |d param|",
-                                   "exact"],
-                       "rows": [row["cells"] for row in exact]})
+        tables.append(common.table(
+            "Exactness: largest difference from the reference over every step and seed "
+            "(erase-aot_eager vs eager must be exactly 0)",
+            ["variant", "reference", "seeds", "max |d train loss|", "max |d final NE|",
+             "max |d NE curve|", "max |d param|", "exact"],
+            [row["cells"] for row in exact]))
     speed = _speed_rows(grouped)
     if speed:
-        tables.append({"caption": "QPS gain of each variant over the stock compilations of the "
-                       "same detached model (percent, paired by seed, mean ± std)",
-                       "columns": ["variant", *[f"p90 vs {r}" for r in STOCK_VARIANTS],
-                                   "median vs best stock"],
-                       "rows": speed})
+        tables.append(common.table(
+            "QPS gain of each variant over the stock compilations of the same detached model "
+            "(percent, paired by seed, mean ± std)",
+            ["variant", *[f"p90 vs {r}" for r in STOCK_VARIANTS], "median vs best stock"],
+            speed))
     decisions = _erase_decisions_table(grouped)
     if decisions["rows"]:
         tables.append(decisions)
@@ -790,8 +790,7 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
         tables.append(_explain_table(demo["explain"]))
     errors = [[run.variant, run.seed, run.error] for run in runs if run.error]
     if errors:
-        tables.append({"caption": "Runs that failed", "columns": ["variant", "seed", "error"],
-                       "rows": errors})
+        tables.append(common.table("Runs that failed", ["variant", "seed", "error"], errors))
     failures = _failures(runs, exact)
     title = f"CTR model with {k} detached dense blocks"
     if args.no_local_loss:
@@ -842,15 +841,13 @@ def _variant_table(grouped: dict[str, list[RunResult]], data: Dataset) -> dict[s
             fmt(mean_std([run.peak_mib for run in runs])[0], 5),
             ",".join(str(n) for n in sorted(early)) if early else "-",
         ])
-    return {
-        "caption": f"Per variant, mean ± std over seeds: per-step QPS (samples/s), step time, "
-                   f"final eval NE (oracle NE {data.oracle_ne:.4f}), NE gap vs the end-to-end "
-                   f"baseline, first-step seconds (compilation), peak memory, early blocks erase "
-                   f"found",
-        "columns": ["variant", "seeds", "median QPS", "p90 QPS", "p10 QPS", "step ms",
-                    "final NE", "NE - baseline NE", "first step s", "peak MiB", "early blocks"],
-        "rows": rows,
-    }
+    return common.table(
+        f"Per variant, mean ± std over seeds: per-step QPS (samples/s), step time, final eval "
+        f"NE (oracle NE {data.oracle_ne:.4f}), NE gap vs the end-to-end baseline, first-step "
+        f"seconds (compilation), peak memory, early blocks erase found",
+        ["variant", "seeds", "median QPS", "p90 QPS", "p10 QPS", "step ms", "final NE",
+         "NE - baseline NE", "first step s", "peak MiB", "early blocks"],
+        rows)
 
 
 def _exactness_rows(grouped: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
@@ -902,10 +899,10 @@ def _erase_decisions_table(grouped: dict[str, list[RunResult]]) -> dict[str, Any
                     f"({c['reason']}: {c['detail']})" for c in report["rejected"]]
             rows.append([variant, report["inner"], ", ".join(early) or "none",
                          "; ".join(left) or "-", report.get("fallback_reason") or "-"])
-    return {"caption": "What erase_fx did with each erase variant's graph: the blocks whose "
-                       "backward runs early, and what stays in the backward, with the reason",
-            "columns": ["variant", "inner", "early blocks", "left in the backward",
-                        "stock path"], "rows": rows}
+    return common.table("What erase_fx did with each erase variant's graph: the blocks whose "
+                        "backward runs early, and what stays in the backward, with the reason",
+                        ["variant", "inner", "early blocks", "left in the backward",
+                         "stock path"], rows)
 
 
 def _best_stock(grouped: dict[str, list[RunResult]], stat: str, exclude: str = "") -> str | None:
@@ -927,10 +924,9 @@ def _audit_table(rows: list[dict[str, Any]], caption: str) -> dict[str, Any]:
         cells.setdefault((r["variant"], r["step"]), {})[r["group"]] = text
     key = (". Cell: gradient norm of the group's own parameters (the local losses Lk that "
            "reach them = their value at that step)")
-    return {"caption": caption + key,
-            "columns": ["variant", "step", *groups],
-            "rows": [[variant, step, *(row.get(g, "-") for g in groups)]
-                     for (variant, step), row in cells.items()]}
+    return common.table(caption + key, ["variant", "step", *groups],
+                        [[variant, step, *(row.get(g, "-") for g in groups)]
+                         for (variant, step), row in cells.items()])
 
 
 def _explain_table(explained: dict[str, Any]) -> dict[str, Any]:
@@ -944,8 +940,8 @@ def _explain_table(explained: dict[str, Any]) -> dict[str, Any]:
                          f"{component['reason']}: {component['detail']}"])
         if not found["early_blocks"] and not found["rejected"]:
             rows.append([model, "nothing found", "-", "; ".join(found["summaries"])])
-    return {"caption": "What erase_fx.explain finds, with and without local losses",
-            "columns": ["model", "component", "parameters of", "why"], "rows": rows}
+    return common.table("What erase_fx.explain finds, with and without local losses",
+                        ["model", "component", "parameters of", "why"], rows)
 
 
 def _zero_gradients(run: RunResult) -> list[str]:
