@@ -24,9 +24,10 @@ Subcommands:
   ``N`` steps (forward and ``loss.backward()``) under ``torch.profiler``; writes
   the Chrome trace to ``--out`` and prints the measured overlap: side-stream
   kernel time, the part of it that overlapped main-stream kernels, and the
-  fraction (`erase_fx.profile.kernel_overlap`). Options default to
-  ``{"cudagraphs": false}``: CUDA graph replay hides the per-segment labels
-  (``erase_fx/<segment>``). ``--device`` defaults to CUDA when available; on
+  fraction (`erase_fx.profile.kernel_overlap`). The backend runs with its
+  defaults (CUDA graphs on a GPU), whose replay hides the per-segment labels
+  (``erase_fx/<segment>``); ``--options '{"cudagraphs": false}'`` shows them.
+  ``--device`` defaults to CUDA when available; on
   CPU it says that overlap needs a GPU and still writes the trace. Example::
 
       erase-fx profile erase_fx.demo:ff_factory --steps 20 --out ff_trace.json
@@ -160,7 +161,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from erase_fx.profile import PROFILE_DEFAULT_OPTIONS, NotALossError, profile_training
+    from erase_fx.profile import NotALossError, profile_training
 
     options = parse_options(args.options)
     if args.steps < 1 or args.warmup < 0:
@@ -177,12 +178,11 @@ def run_profile(args: argparse.Namespace) -> int:
                                device=device)
     except NotALossError as error:
         raise UsageError(f"{args.spec}: {error}") from error
-    defaulted = sorted(k for k in PROFILE_DEFAULT_OPTIONS if k not in options)
     print(f"profiled {run.steps} training step(s) of {args.spec} on {run.device} after "
           f"{args.warmup} warm-up step(s); erase options {json.dumps(dict(run.options))}")
-    if defaulted:
-        print(f"  ({', '.join(defaulted)} off by default here: CUDA graph replay hides the "
-              f"per-segment labels; pass --options to change it)")
+    if run.device.startswith("cuda") and run.options.get("cudagraphs") is not False:
+        print("  (CUDA graph replay hides the per-segment labels; "
+              "--options '{\"cudagraphs\": false}' shows them)")
     print(f"trace: {run.trace_path} (open in chrome://tracing or https://ui.perfetto.dev)")
     print(f"segment labels: {first_names(run.segment_labels, SEGMENT_LABELS_SHOWN) or 'none'}"
           f" ({len(run.segment_labels)})")
@@ -262,9 +262,10 @@ def add_profile_parser(commands: Any) -> None:
         "--steps training steps (forward + loss.backward(); the model returns a scalar loss) "
         "under torch.profiler (CPU, and CUDA on a GPU). Writes a Chrome trace and prints the "
         "side-stream kernel time, how much of it overlapped main-stream kernels, and the "
-        "fraction. Options default to {\"cudagraphs\": false}: CUDA graph replay hides the "
-        "per-segment labels (erase_fx/<segment>) in the trace. On CPU there is no overlap to "
-        "measure (the streams are virtual); the trace is still written.",
+        "fraction. The backend runs with its defaults (CUDA graphs on a GPU), whose replay "
+        "hides the per-segment labels (erase_fx/<segment>) in the trace; --options "
+        "'{\"cudagraphs\": false}' shows them. On CPU there is no overlap to measure (the "
+        "streams are virtual); the trace is still written.",
     )
     profile.add_argument(
         "spec", metavar="module:factory",
@@ -279,8 +280,8 @@ def add_profile_parser(commands: Any) -> None:
     profile.add_argument("--out", default="trace.json", metavar="PATH",
                          help="where to write the Chrome trace (default trace.json)")
     profile.add_argument("--options", metavar="JSON",
-                         help='erase backend options as a JSON object, e.g. \'{"streams": 2}\'; '
-                         'default {"cudagraphs": false}')
+                         help='erase backend options as a JSON object, e.g. \'{"streams": 2}\' '
+                         '(default: the backend\'s defaults)')
     profile.add_argument("--device", default="auto",
                          help="where to run: auto (CUDA when available, else CPU), cpu, cuda, "
                          "cuda:1, ... (default auto)")

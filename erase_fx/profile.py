@@ -31,8 +31,11 @@ copies or sets).
 ``backend="erase"`` under ``torch.profiler``, exports the Chrome trace and
 measures the overlap: the ``erase-fx profile`` command. Each driver step is
 labelled ``erase_fx/<segment>`` in the trace (``seg_1_block_0_stream_1``
-names its block and stream); CUDA graph replay hides these labels, so it
-profiles with ``cudagraphs=False`` unless told otherwise.
+names its block and stream). It profiles the backend as configured (by
+default with CUDA graphs on a GPU, as training runs), whose replay hides
+these labels: ``{"cudagraphs": False}`` shows them, at the price of the CPU
+launching every segment (on small models that leaves the GPU idle, and the
+overlap near zero).
 """
 from __future__ import annotations
 
@@ -244,11 +247,6 @@ def _load_json(path: str | os.PathLike) -> Any:
 
 # -- profiling training steps (the ``erase-fx profile`` command) ----------------
 
-#: Options `profile_training` adds unless told otherwise: CUDA graph replay runs
-#: no driver steps, so it would hide the per-segment labels.
-PROFILE_DEFAULT_OPTIONS: Mapping[str, Any] = {"cudagraphs": False}
-
-
 class NotALossError(TypeError):
     """The profiled model's forward did not return a scalar loss tensor."""
 
@@ -288,7 +286,7 @@ def profile_training(
     """Train ``model`` with ``backend="erase"`` under ``torch.profiler``; measure the overlap.
 
     Compiles ``model`` (whose forward returns a scalar loss) with the erase
-    backend and ``options`` (`PROFILE_DEFAULT_OPTIONS` first), moves it and its
+    backend and ``options`` (the backend's defaults otherwise), moves it and its
     tensor inputs to ``device`` (default: CUDA when available, else CPU), runs
     ``warmup`` steps (compilation happens there), then ``steps`` steps of
     ``loss = model(*args, **kwargs); loss.backward()`` under the profiler (CPU
@@ -308,7 +306,7 @@ def profile_training(
         model = model.to(target)
     args = _to_device(tuple(args), target)
     kwargs = _to_device(dict(kwargs or {}), target)
-    options = {**PROFILE_DEFAULT_OPTIONS, **(options or {})}
+    options = dict(options or {})
     compiled = torch.compile(model, backend=make_backend(**options))
 
     def train_step() -> None:
