@@ -1,0 +1,89 @@
+"""DistributedDataParallel on CPU (gloo, two processes): gradients equal eager DDP's.
+
+DDP's reducer hooks fire when `.backward()` accumulates each gradient, early
+gradients included (returned as ``T / seed * early_grad``), so the averaged
+gradients equal eager DDP's. Dynamo's DDP optimizer splits the graph at
+bucket boundaries; with ``optimize_ddp=False`` the graph stays whole and every
+block but the last goes early; split, blocks may be cut from their local
+losses (fewer early blocks), and the gradients are still exact.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD = 2
+
+
+def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float, queue) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    import erase_fx
+    from graphs import Chain, chain_inputs
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        torch._dynamo.config.optimize_ddp = optimize_ddp
+        torch.manual_seed(0)
+        # NB: wide enough (about 1 MiB of weights per stage) for 1 MB buckets to split it
+        model = Chain(3, hidden=8192)
+        eager = nn.parallel.DistributedDataParallel(copy.deepcopy(model),
+                                                    bucket_cap_mb=bucket_cap_mb)
+        module = copy.deepcopy(model)
+        compiled = torch.compile(
+            nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb),
+            backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+        worst = 0.0
+        with erase_fx.collect_reports() as reports:
+            for step in range(2):
+                torch.manual_seed(100 + 10 * step + rank)  # each rank its own batch
+                inputs = chain_inputs()
+                for m in (eager, module):
+                    m.zero_grad(set_to_none=True)
+                eager(*inputs).backward()
+                compiled(*inputs).backward()
+                worst = max(worst, max((a.grad - b.grad).abs().max().item() for a, b in
+                                       zip(eager.module.parameters(), module.parameters())))
+        queue.put((rank, worst, (len(reports), sum(len(r.blocks) for r in reports)), None))
+    except Exception as error:  # noqa: BLE001 - reported to the test in the parent
+        queue.put((rank, None, (0, 0), f"{type(error).__name__}: {error}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float) -> list[tuple]:
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=_worker, args=(rank, str(tmp_path / "init"),
+                                                       optimize_ddp, bucket_cap_mb, queue))
+                 for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    results = sorted(queue.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    return results
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("optimize_ddp, bucket_cap_mb, graphs, early_blocks", [
+    (False, 25.0, 1, 2),      # one graph: every block but the last goes early
+    (True, 1.0, "several", None),  # split into buckets: exact, whatever stays early
+])
+def test_ddp_gradients_equal_eager_ddp(tmp_path, optimize_ddp, bucket_cap_mb, graphs,
+                                       early_blocks):
+    for rank, worst, (num_graphs, blocks), error in run_ddp(tmp_path, optimize_ddp,
+                                                            bucket_cap_mb):
+        assert error is None, f"rank {rank}: {error}"
+        assert worst == 0.0, f"rank {rank}: grads differ from eager DDP by {worst}"
+        assert num_graphs > 1 if graphs == "several" else num_graphs == graphs
+        if early_blocks is not None:
+            assert blocks == early_blocks, f"rank {rank}: {blocks} early blocks"
