@@ -31,9 +31,10 @@ class EraseConfig:
             ``1 + i % streams``; stream 0 is the main stream, where the forward
             runs). On CPU the streams are virtual: segments run in program
             order. Measured on an H200 (``python -m bench.run``, ctr:4096, GPU
-            bound): 1, 2, 4 and 8 side streams within 2% of each other and
-            2-3% ahead of no side stream; 4 keeps consecutive blocks of a
-            chain on different streams at no measurable cost.
+            bound): 2, 4 and 8 side streams 2-3% faster than none (every
+            segment on the main stream), 1 side stream 0.4%; 4 keeps
+            consecutive blocks of a chain on different streams at no
+            measurable cost.
         inner: the compiler of each segment and of the backward:
             ``"inductor"`` (fused kernels; the graph is traced with Inductor's
             decompositions), ``"aot_eager"`` (each segment runs its FX code, as
