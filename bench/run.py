@@ -127,7 +127,7 @@ def measure(cfg: ChainConfig, name: str, base: DetachedChain, inputs, reference,
     return row
 
 
-def run_config(cfg: ChainConfig, variants, args) -> list[dict]:
+def run_config(cfg: ChainConfig, variants, args, out_of_time=lambda: False) -> list[dict]:
     device = torch.device("cuda")
     torch.manual_seed(0)
     base = DetachedChain(cfg).to(device)
@@ -137,7 +137,13 @@ def run_config(cfg: ChainConfig, variants, args) -> list[dict]:
     reference_model(*inputs).backward()
     reference = grads_of(reference_model)
     del reference_model
-    return [measure(cfg, name, base, inputs, reference, args) for name in variants]
+    rows = []
+    for name in variants:
+        if out_of_time():
+            print(f"  {cfg} {name}: skipped, --budget-s spent", flush=True)
+            continue
+        rows.append(measure(cfg, name, base, inputs, reference, args))
+    return rows
 
 
 # -- the targets of the GPU issue, judged on ratios measured in this run ----------
@@ -220,6 +226,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-trial", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None,
                         help="results file (default bench/results/<date>-<gpu>.json)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new row after this many seconds (a device call has a "
+                        "time limit); the results file is rewritten after every config, so "
+                        "what ran is kept either way")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="no run: merge results files of runs split across device calls "
                         "(same GPU and torch) into --out")
@@ -238,26 +248,33 @@ def main(argv=None) -> int:
     print(f"torch {meta['torch']} on {gpu}", flush=True)
     sweep = [f"erase+graphs/streams={n}" for n in args.streams.split(",") if n]
     sweep += ["erase+graphs/one-stream"] if sweep else []
+    out = args.out or RESULTS / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+    start = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return args.budget_s is not None and time.perf_counter() - start > args.budget_s
+
     rows = []
     for text in args.configs.split(","):
         variants = args.variants.split(",")
         if text in args.sweep_configs.split(","):
             variants += sweep
         print(f"{text}: {len(variants)} variants", flush=True)
-        rows += run_config(ChainConfig.parse(text), variants, args)
-    out = args.out or RESULTS / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+        rows += run_config(ChainConfig.parse(text), variants, args, out_of_time)
+        write(out, meta, rows, quiet=True)  # NB: a killed run keeps what it measured
     write(out, meta, rows)
     return 0
 
 
-def write(out: Path, meta: dict, rows: list[dict]) -> None:
+def write(out: Path, meta: dict, rows: list[dict], quiet: bool = False) -> None:
     targets = judge_targets(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets}, indent=1) + "\n")
     table = markdown(meta, rows, targets)
     out.with_suffix(".md").write_text(table)
-    print("\n" + table)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    if not quiet:
+        print("\n" + table)
+        print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 def merge(parts: list[Path], out: Path | None) -> int:
