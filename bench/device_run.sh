@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU runs, in parts that each fit one device call (10 minutes at most).
+#   bash bench/device_run.sh bench-a   bench.run on the three small configs, with the stream sweep
+#   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with the sweep) and ctr:16384
+#   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
+#   bash bench/device_run.sh paper     the paper's experiments (--quick presets) and their report
+# Results go to $OUT (default bench/results/device); join bench-a and bench-b with
+#   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  bench-a|bench-b|checks|paper) ;;
+  *) sed -n 2,8p "$0"; exit 2 ;;
+esac
+OUT=${OUT:-bench/results/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# NB: the GPU image has torch and the other dependencies; only erase_fx itself is installed.
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+case "$1" in
+  bench-a)
+    python3 -m bench.run --budget-s 480 --out "$OUT/bench-a.json" \
+      --configs ctr:1024:512:1024:6,mlp:512:1024:2048:6,mlp:128:2000:2000:4 ;;
+  bench-b)
+    python3 -m bench.run --budget-s 480 --out "$OUT/bench-b.json" \
+      --configs ctr:4096:1024:2048:6,ctr:16384:1024:2048:6 --sweep-configs ctr:4096:1024:2048:6 ;;
+  checks)
+    timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
+      --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
+  paper)
+    mkdir -p "$OUT/paper"
+    timeout 200 python3 -m bench.paper.ctr --quick --budget-s 150 --results-dir "$OUT/paper" || true
+    timeout 120 python3 -m bench.paper.digits --quick --out-dir "$OUT/paper" || true
+    timeout 180 python3 -m bench.paper.nanochat --quick --out-dir "$OUT/paper" || true
+    python3 -m bench.paper.report --results-dir "$OUT/paper" ;;
+esac
