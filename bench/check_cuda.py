@@ -5,6 +5,10 @@
 2. a stress run: the multi-stream program against the same program on one
    stream, deterministic algorithms on, bit-identical gradients required
    at every step (a difference is a race);
+   also: the in-place scaling kernel of early gradients (bit-identical to
+   ``mul``, untouched at scale 1, under capture too), parity with a loss
+   tangent other than 1, and parity inside a whole-step CUDA graph taken by
+   the user;
 3. step time (CUDA events, median of trials), side by side, of eager,
    inductor, reduce-overhead, inductor with the whole step in one CUDA graph,
    and erase without and with CUDA graphs (4 side streams, and 1 stream).
@@ -64,11 +68,12 @@ class OneStream:
         erase_fx.compilation.CudaStreams = self.saved
 
 
-def check_parity(cfg, options, steps, device, control=False):
+def check_parity(cfg, options, steps, device, control=False, tangent=1.0):
     """Max relative grad error against eager over ``steps`` fresh batches (tf32 off).
 
     ``control=True`` measures stock ``torch.compile`` instead: the error any
-    Inductor compile has against eager, for comparison.
+    Inductor compile has against eager, for comparison. ``tangent``: the
+    gradient ``.backward()`` is called with (a loss scaler's scale).
     """
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -89,11 +94,74 @@ def check_parity(cfg, options, steps, device, control=False):
             inputs = make_inputs(cfg, device)
             eager.zero_grad(set_to_none=True)
             other.zero_grad(set_to_none=True)
-            eager_fn(*inputs).backward()
-            compiled(*inputs).backward()
+            seed = torch.tensor(tangent, device=device)
+            eager_fn(*inputs).backward(seed)
+            compiled(*inputs).backward(seed)
             worst = max(worst, max_rel_err(grads_of(eager), grads_of(other)))
     blocks = sum(len(r.blocks) for r in reports)
     return worst, blocks
+
+
+def check_whole_step_capture(cfg, device, options, steps=3):
+    """erase inside a whole-step CUDA graph taken by the user vs stock Inductor, fresh inputs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    reference = DetachedChain(cfg).to(device)
+    model = copy.deepcopy(reference)
+    stock = torch.compile(reference)
+    inputs = make_inputs(cfg, device)
+    step = whole_step_graph(model, compile_erase(model, inner="inductor", **options), inputs)
+    worst = 0.0
+    for _ in range(steps):
+        fresh = make_inputs(cfg, device)
+        for buffer, value in zip(inputs, fresh):
+            buffer.copy_(value)
+        step()
+        reference.zero_grad(set_to_none=True)
+        stock(*fresh).backward()
+        worst = max(worst, max_rel_err(grads_of(reference), grads_of(model)))
+    return worst
+
+
+def check_scale_kernel(device):
+    """scale_unless_one_ against torch's mul, bit for bit; untouched at 1; under capture too."""
+    from erase_fx.emit.scale_grads import scale_unless_one_
+
+    problems = []
+    shapes = [(2000, 2000), (1, 1), (17,), (1000, 3), (3, 1000), (64, 50000), (5, 7, 9)] * 2
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for scale_value in (1.0, 3.0, 0.5, 65536.0, float("nan")):
+            tensors = [torch.randn(s, device=device).to(dtype) for s in shapes]
+            tensors[1::3] = [t.t() if t.dim() == 2 else t for t in tensors[1::3]]
+            kept = [t.clone() for t in tensors]
+            scale = torch.tensor(scale_value, device=device, dtype=dtype)
+            scale_unless_one_(tensors, scale)
+            for got, before in zip(tensors, kept):
+                want = before if scale_value == 1.0 else before * scale
+                same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                    got.nan_to_num(), want.nan_to_num())
+                if not same:
+                    problems.append(f"{dtype} scale {scale_value} shape {tuple(got.shape)}")
+    # under capture: replay with a scale of 1, then of 2
+    tensors = [torch.randn(s, device=device) for s in shapes]
+    scale = torch.ones((), device=device)
+    scale_unless_one_(tensors, scale)  # compiles the kernel outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        scale_unless_one_(tensors, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    kept = [t.clone() for t in tensors]
+    graph.replay()
+    if not all(torch.equal(a, b) for a, b in zip(tensors, kept)):
+        problems.append("captured, scale 1: memory changed")
+    scale.fill_(2.0)
+    graph.replay()
+    if not all(torch.equal(a, 2 * b) for a, b in zip(tensors, kept)):
+        problems.append("captured, scale 2: not doubled")
+    torch.cuda.synchronize()
+    return problems
 
 
 def check_two_forwards(cfg, device):
@@ -253,6 +321,7 @@ VARIANTS = {
     "erase+graphs": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
     "erase+graphs-1stream": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
     "erase+wholestep": "whole-step",
+    "erase+wholestep-1stream": "whole-step",
 }
 
 
@@ -270,7 +339,7 @@ def timing(cfg, device, trials, steps_per_trial, variants):
         with one_stream:
             if name == "inductor+graph":
                 step = whole_step_graph(model, torch.compile(model), inputs)
-            elif name == "erase+wholestep":
+            elif name.startswith("erase+wholestep"):
                 step = whole_step_graph(
                     model, compile_erase(model, inner="inductor", cudagraphs=False), inputs)
             else:
@@ -323,6 +392,23 @@ def main(argv=None) -> int:
         print(f"parity {parity_cfg} {options}: {blocks} early blocks, max rel grad err vs "
               f"{reference} "
               f"{err:.2e} (limit {limit:.1e}) {'OK' if ok else 'FAIL'}", flush=True)
+    problems = check_scale_kernel(device)
+    failures += bool(problems)
+    print(f"in-place scaling kernel (fp32, bf16, fp16; scales 1, 3, 0.5, 65536, nan; captured): "
+          f"{'OK' if not problems else 'FAIL ' + '; '.join(problems)}", flush=True)
+    for options in ({"inner": "aot_eager", "cudagraphs": False},
+                    {"inner": "aot_eager", "cudagraphs": True},
+                    {"inner": "inductor", "cudagraphs": True}):
+        err, _ = check_parity(parity_cfg, options, args.parity_steps, device, tangent=1024.0)
+        limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
+        failures += err > limit
+        print(f"parity {parity_cfg} {options}, backward(1024.0): max rel grad err {err:.2e} "
+              f"(limit {limit:.1e}) {'OK' if err <= limit else 'FAIL'}", flush=True)
+    for options in ({"cudagraphs": False}, {}):
+        err = check_whole_step_capture(parity_cfg, device, options)
+        failures += err > 1e-4
+        print(f"inside a user's whole-step CUDA graph, erase {options or 'defaults'}: max rel grad "
+              f"err vs stock inductor {err:.2e} {'OK' if err <= 1e-4 else 'FAIL'}", flush=True)
     err = check_two_forwards(parity_cfg, device)
     ok = err <= 1e-4
     failures += not ok

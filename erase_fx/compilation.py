@@ -9,6 +9,7 @@ whose instruments time and dump them::
     joint:   [stock joint passes] -> find_stop_gradient_blocks -> schedule_early_backward
              -> partition_joint_graph
     forward: assign_streams -> split_segments -> compile each segment -> StreamProgram
+    backward: defer_grad_scaling -> compile -> ScaledBackward (scales early grads in place)
 
 Failure policy (``cfg.on_error``): under ``"fallback"`` any error in
 erase_fx's own work is logged with its reason and the graph takes the stock
@@ -30,11 +31,13 @@ from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
+from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
 from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
 from erase_fx.passes import (
     BlockAnalysis,
     assign_streams,
+    defer_grad_scaling,
     find_stop_gradient_blocks,
     partition_joint_graph,
     schedule_early_backward,
@@ -99,7 +102,18 @@ class GraphCompilation:
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.dump is not None:
             self.runner.record("bwd", bw)
-        compiled = compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
+        deferred = None
+        if self.has_early_blocks:
+            try:
+                deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw)
+            except Exception as error:  # noqa: BLE001 - the documented fallback
+                self._fall_back("defer_grad_scaling", error, keep_schedule=True)
+        if deferred is not None and deferred.modified:
+            compiled = ScaledBackward(
+                compile_graph(deferred.gm, example_inputs, self.cfg.inner, is_backward=True),
+                deferred.num_grads, deferred.scaled)
+        else:
+            compiled = compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
         if self.graphed_forward is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))

@@ -16,7 +16,8 @@ produced (the joint graph AOTAutograd traced, the backward it partitioned).
     05_split_segments.py              the split module, then one file per segment
     05_split_segments.seg_<k>_....py
     05_split_segments.segments.json
-    06_bwd.py                         the backward, as compiled (at the first backward)
+    06_bwd.py                         the backward AOT hands over (at the first backward)
+    07_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
     report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
     schedule.dot                      the forward after assign_streams, drawn (needs pydot)
@@ -36,8 +37,9 @@ without Graphviz's ``dot`` binary there is no ``schedule.svg``
 (``dot -Tsvg schedule.dot -o schedule.svg`` renders it elsewhere).
 
 Each text file is also a ``torch._logging.trace_structured`` artifact named
-``erase_fx_graph_<n>_<file>`` (``timings.json`` once, with the report), so
-``TORCH_TRACE=dir`` runs show them in ``tlparse``. `dump_instrument_for`
+``erase_fx_graph_<n>_<file>`` (``timings.json`` with the report, then again
+after each backward pass), so ``TORCH_TRACE=dir`` runs show them in
+``tlparse``. `dump_instrument_for`
 makes a trace-only instrument (no files) when a structured trace is on but
 no ``dump_dir`` is set.
 
@@ -61,7 +63,7 @@ import torch
 import torch._logging
 import torch.fx as fx
 
-from erase_fx.passes import BlockAnalysis, PassResult, SegmentedForward, get_meta
+from erase_fx.passes import BlockAnalysis, DeferredScaling, PassResult, SegmentedForward, get_meta
 from erase_fx.report import GraphReport
 
 log = logging.getLogger("erase_fx")
@@ -132,6 +134,7 @@ class DumpInstrument:
         self.steps: list[str] = []
         self.timings: list[dict[str, Any]] = []
         self._running: str | None = None
+        self._reported = False
 
     def before_pass(self, name: str, args: tuple[Any, ...]) -> None:
         self._running = name
@@ -150,11 +153,13 @@ class DumpInstrument:
             self._write(stem + suffix, text)
         if is_pass:
             self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
-            self._write(TIMINGS_FILE, timings_json(self.timings), emit=False)
+            # NB: backward passes run after the report: their timings are traced again.
+            self._write(TIMINGS_FILE, timings_json(self.timings), emit=self._reported)
         if name == SCHEDULE_PASS and isinstance(result, PassResult):
             self._write_schedule(result.gm, step)
 
     def write_report(self, report: GraphReport) -> None:
+        self._reported = True
         self._write(REPORT_FILE, dumped_report_json(report))
         # NB: timings.json is rewritten after each pass; trace it once, here.
         if self.timings:
@@ -309,6 +314,10 @@ def _render(result: Any, module_part: str) -> list[tuple[str, str, str]]:
         return files
     if isinstance(result, PassResult):
         return [(".py", "the module the pass returned", _graph_text(result.gm))]
+    if isinstance(result, DeferredScaling):
+        return [(".py", f"the backward as compiled: {result.num_grads} gradients, then the "
+                 f"scales of the {len(result.scaled)} early ones returned unscaled",
+                 _graph_text(result.gm))]
     if isinstance(result, fx.GraphModule):
         return [(".py", module_part, _graph_text(result))]
     if isinstance(result, tuple) and all(isinstance(r, fx.GraphModule) for r in result):

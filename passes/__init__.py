@@ -14,8 +14,13 @@ On the forward module::
 
     assign_streams              forward -> forward with streams and sync points
     split_segments              forward -> split module + ordered per-stream segments
+
+On the backward module::
+
+    defer_grad_scaling          backward -> backward returning early grads unscaled + scales
 """
 from erase_fx.passes.assign_streams import assign_streams, stream_of_block
+from erase_fx.passes.defer_grad_scaling import DeferredScaling, ScaledGrad, defer_grad_scaling
 from erase_fx.passes.find_stop_gradient_blocks import (
     Block,
     BlockAnalysis,
@@ -35,14 +40,17 @@ __all__ = [
     "Block",
     "BlockAnalysis",
     "Component",
+    "DeferredScaling",
     "NodeMeta",
     "PassResult",
     "RejectReason",
     "Rejected",
     "Role",
+    "ScaledGrad",
     "Segment",
     "SegmentedForward",
     "assign_streams",
+    "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",
     "partition_joint_graph",

@@ -24,6 +24,8 @@ class Role(str, enum.Enum):
     FORWARD = "forward"
     #: A node of an early block's backward, cloned into the forward.
     EARLY_BACKWARD = "early_backward"
+    #: The backward's ``mul(early_grad, T / seed)`` that returns an early gradient.
+    GRAD_SCALE = "grad_scale"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,8 @@ def partition_joint_graph(
     joint, _ = clone_module(gm)
     out = output_node(joint.graph)
     outputs = list(out.args[0])
-    early_grads = [n for n in joint.graph.nodes if (m := get_meta(n)) and m.grad_of is not None]
+    early_grads = [n for n in joint.graph.nodes
+                   if (m := get_meta(n)) and m.role is Role.EARLY_BACKWARD and m.grad_of is not None]
     k = len(early_grads)
     out.args = (tuple(outputs[:num_fwd_outputs] + early_grads + outputs[num_fwd_outputs:]),)
     descs = out.meta.get("desc")

@@ -19,7 +19,9 @@ touched) with the same inputs and the same number of outputs; every early
 node reads no tangent, directly or not; every early gradient output is
 ``mul(early_grad, scale)`` where ``scale`` reads the block's tangent; each
 early node is tagged ``NodeMeta(EARLY_BACKWARD, block)`` and, for the
-gradient it produces, ``grad_of``.
+gradient it produces, ``grad_of``; each ``mul`` is tagged
+``NodeMeta(GRAD_SCALE, block, grad_of)`` (`defer_grad_scaling` finds it in
+the backward by that tag).
 
 Before::
 
@@ -114,9 +116,10 @@ def schedule_early_backward(
                 set_meta(early_grad, dataclasses.replace(early_meta, grad_of=primal_index))
                 scale = _loss_grad_scale(graph, tangent, val_of(early_grad).dtype, cfg.seed,
                                          fake_mode)
-                outputs[num_fwd_outputs + primal_index] = call_with_val(
-                    graph, aten.mul.Tensor, (early_grad, scale), fake_mode=fake_mode
-                )
+                scaled = call_with_val(graph, aten.mul.Tensor, (early_grad, scale),
+                                       fake_mode=fake_mode)
+                set_meta(scaled, NodeMeta(Role.GRAD_SCALE, block=block.id, grad_of=primal_index))
+                outputs[num_fwd_outputs + primal_index] = scaled
 
     out.args = (tuple(outputs),)
     graph.eliminate_dead_code()

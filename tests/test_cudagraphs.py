@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+from erase_fx.emit import cudagraphs
 from erase_fx.emit.cudagraphs import (
     AliasOf,
     GraphedBackward,
@@ -122,6 +123,8 @@ def backward(args):
 def graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    # NB: called outside autograd's engine, a backward "keeps its graph".
+    monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: False)
     w = torch.randn(3, 3)
     fw = GraphedForward(captured(forward), num_user_outputs=1, static_input_indices=[1],
                         device=torch.device("cpu"), name="test")
@@ -202,3 +205,30 @@ def test_backward_does_not_replay_over_its_gradients_still_in_use(graphed):
     _, (grad2, _) = step(fw, bw, w, x)
     assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1])
     assert torch.equal(grad, kept) and torch.equal(grad2, forward([x, w])[1].sum(0))
+
+
+def test_a_backward_that_keeps_its_graph_runs_without_replay(graphed, monkeypatch):
+    # the backward graph scales early gradients in place: a second backward
+    # over the same saved tensors must not see them scaled
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    step(fw, bw, w, torch.randn(2, 3))
+    replays = fw.replays, bw.replays
+    monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: True)
+    x = torch.randn(2, 3)
+    _, (grad, early) = step(fw, bw, w, x)
+    assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1])
+    assert torch.equal(early, forward([x, w])[2])
+
+
+def test_inside_someone_elses_capture_the_program_runs_as_is(graphed, monkeypatch):
+    # a whole-step CUDA graph taken by the user captures the compiled program itself
+    fw, bw, w = graphed
+    step(fw, bw, w, torch.randn(2, 3))
+    step(fw, bw, w, torch.randn(2, 3))
+    replays = fw.replays, bw.replays
+    monkeypatch.setattr(cudagraphs, "_capturing", lambda: True)
+    x = torch.randn(2, 3)
+    loss, (grad, early) = step(fw, bw, w, x)
+    assert (fw.replays, bw.replays) == replays
+    assert torch.equal(loss, forward([x, w])[0]) and torch.equal(early, forward([x, w])[2])

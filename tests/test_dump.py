@@ -26,6 +26,7 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
     assert sorted(set(stems)) == [
         "00_joint", "01_find_stop_gradient_blocks", "02_schedule_early_backward",
         "03_partition_joint_graph", "04_assign_streams", "05_split_segments", "06_bwd",
+        "07_defer_grad_scaling",
     ]
     assert {"report.json", "timings.json"} <= set(names)
     assert ("schedule.dot" in names) == pydot_available()
@@ -60,9 +61,9 @@ def test_timings_are_in_their_own_file_not_in_the_headers(tmp_path):
     assert timings["unit"] == "seconds"
     assert [t["pass"] for t in timings["passes"]] == [
         "find_stop_gradient_blocks", "schedule_early_backward", "partition_joint_graph",
-        "assign_streams", "split_segments",
+        "assign_streams", "split_segments", "defer_grad_scaling",
     ]
-    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5]
+    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5, 7]
     assert all(t["seconds"] >= 0 for t in timings["passes"])
     assert timings["total"] == pytest.approx(sum(t["seconds"] for t in timings["passes"]),
                                              abs=1e-5)

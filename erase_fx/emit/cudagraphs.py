@@ -36,6 +36,12 @@ Rules that keep replay exact (each one has a test on the GPU in
 - **First calls.** The first call runs without the graph (warm-up: lazy
   initialisation of libraries must not happen under capture); the second
   captures, then replays.
+- **Inside someone else's capture** (the user captures the whole training
+  step in one ``torch.cuda.CUDAGraph``): the compiled program runs as is, so
+  the user's graph captures it, side streams included.
+- **retain_graph=True.** The backward's graph scales early gradients in
+  place (`erase_fx.emit.scale_grads`); a backward that keeps its graph runs
+  without the CUDA graph, so a second backward reads unscaled saved tensors.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from erase_fx.emit.scale_grads import backward_keeps_graph
 
 log = logging.getLogger("erase_fx")
 
@@ -151,7 +159,7 @@ class GraphedForward:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         self.calls += 1
-        if self.disabled_reason is not None or self.calls == 1:
+        if self.disabled_reason is not None or self.calls == 1 or _capturing():
             return list(self.fn(args))
         if self.graph is not None and self.memory.in_use():
             if not self._said_unreplayed:
@@ -265,8 +273,9 @@ class GraphedBackward:
         self.memory = _OwnedMemory(())
 
     def __call__(self, args: list[Any]) -> Any:
-        if self.disabled_reason is not None or \
-                not self.forward.replayed_saved(args[: self.num_saved]):
+        if (self.disabled_reason is not None or _capturing()
+                or backward_keeps_graph()
+                or not self.forward.replayed_saved(args[: self.num_saved])):
             return self.fn(args)
         if self.graph is None:
             self._capture(args)
@@ -315,6 +324,11 @@ class GraphedBackward:
         del outputs, inputs
         owned = [p for p in self.output_plan if isinstance(p, torch.Tensor)]
         self.memory = _OwnedMemory(owned + self.static_tangents)
+
+
+def _capturing() -> bool:
+    """Whether the current stream is being captured (by someone else: ours run uncaptured)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:

@@ -1,0 +1,155 @@
+"""defer_grad_scaling (the backward pass) and ScaledBackward (its runtime), on CPU."""
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.emit import scale_grads
+from erase_fx.emit.scale_grads import ScaledBackward, scale_unless_one_
+from erase_fx.passes import NodeMeta, Role, ScaledGrad, defer_grad_scaling
+from erase_fx.passes.defer_grad_scaling import VIEW_OPS, check_deferred_scaling
+from erase_fx.passes.graph import is_tangent, output_values
+from erase_fx.passes.node_meta import set_meta
+from graphs import Chain, Stages, assert_same_grads, chain_inputs, real_values
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+
+
+def test_early_grads_leave_unscaled_with_one_scale_per_tangent(chain):
+    code = chain.bw.code
+    deferred = defer_grad_scaling(chain.bw)
+    assert chain.bw.code == code  # the input is not touched
+    early = {i for b in chain.analysis.blocks for i, _ in b.component.grad_outputs}
+    assert {e.grad_index for e in deferred.scaled} == early
+    outputs = output_values(deferred.gm.graph)
+    assert len(outputs) == deferred.num_grads + 1  # one loss, one tangent: one scale
+    assert is_tangent(outputs[-1])
+    placeholders = list(deferred.gm.graph.find_nodes(op="placeholder"))
+    for entry in deferred.scaled:
+        node = outputs[entry.grad_index]
+        while node.op == "call_function":
+            assert node.target in VIEW_OPS
+            node = node.args[0]
+        assert node is placeholders[entry.saved_index] and not is_tangent(node)
+    assert not any(n.target is aten.mul.Tensor for n in deferred.gm.graph.nodes)
+    check_deferred_scaling(deferred)
+
+
+def test_deferred_grads_times_their_scale_equal_the_original_backward(chain):
+    deferred = defer_grad_scaling(chain.bw)
+    values = real_values(chain.bw)
+    values = {k: (v * 3 if k.startswith("tangents") else v) for k, v in values.items()}
+    args = [values[n.name] for n in chain.bw.graph.find_nodes(op="placeholder")]
+    expected = chain.bw(*args)
+    actual = deferred.gm(*args)
+    grads, scales = list(actual[: deferred.num_grads]), actual[deferred.num_grads:]
+    for entry in deferred.scaled:
+        grads[entry.grad_index] = grads[entry.grad_index] * scales[entry.scale_index]
+    for got, want in zip(grads, expected):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _backward_graph(saved_has_another_user: bool) -> fx.GraphModule:
+    graph = fx.Graph()
+    saved = graph.placeholder("saved")
+    other = graph.placeholder("other")
+    tangent = graph.placeholder("tangents_1")
+    for node, shape in ((saved, (3, 2)), (other, (3,)), (tangent, ())):
+        node.meta["val"] = torch.empty(shape)
+    viewed = graph.call_function(aten.t.default, (saved,))
+    scaled = graph.call_function(aten.mul.Tensor, (viewed, tangent))
+    set_meta(scaled, NodeMeta(Role.GRAD_SCALE, block=0, grad_of=0))
+    uses = graph.call_function(aten.sum.default, (saved if saved_has_another_user else other,))
+    other_grad = graph.call_function(aten.mul.Tensor, (other, uses))
+    graph.output((scaled, other_grad))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_view_chain_of_a_saved_tensor_is_deferred():
+    deferred = defer_grad_scaling(_backward_graph(saved_has_another_user=False))
+    assert deferred.scaled == (ScaledGrad(grad_index=0, scale_index=0, saved_index=0),)
+    out = output_values(deferred.gm.graph)
+    assert out[0].target is aten.t.default and out[2].name == "tangents_1"
+
+
+def test_a_saved_tensor_the_backward_also_reads_stays_scaled_in_the_graph():
+    bw = _backward_graph(saved_has_another_user=True)
+    deferred = defer_grad_scaling(bw)
+    assert not deferred.modified and deferred.gm is bw
+
+
+# -- ScaledBackward ----------------------------------------------------------------
+
+
+@pytest.fixture
+def in_backward(monkeypatch):
+    """Calls below are made outside autograd's engine: say the graph is not kept."""
+    monkeypatch.setattr(scale_grads, "backward_keeps_graph", lambda: False)
+
+
+def passthrough(args):
+    """A compiled backward: grad 0 computed, grad 1 = the saved tensor, then the scale."""
+    saved, other, tangent = args
+    args.clear()
+    return [other * tangent, saved, tangent]
+
+
+SCALED = (ScaledGrad(grad_index=1, scale_index=0, saved_index=0),)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_early_grad_is_scaled_in_place_and_handed_out_as_an_alias(in_backward, scale):
+    saved, other = torch.randn(4, 3).t(), torch.randn(5)
+    expected = saved * scale
+    grads = ScaledBackward(passthrough, 2, SCALED)([saved, other, torch.tensor(scale)])
+    assert torch.equal(grads[1], expected) and torch.equal(grads[0], other * scale)
+    assert grads[1].data_ptr() == saved.data_ptr() and grads[1] is not saved
+
+
+def test_a_kept_graph_is_scaled_out_of_place(monkeypatch):
+    monkeypatch.setattr(scale_grads, "backward_keeps_graph", lambda: True)
+    saved = torch.randn(3)
+    before = saved.clone()
+    grads = ScaledBackward(passthrough, 2, SCALED)([saved, torch.randn(3), torch.tensor(3.0)])
+    assert torch.equal(saved, before) and torch.equal(grads[1], 3 * before)
+
+
+def test_memory_shared_with_another_input_is_scaled_out_of_place(in_backward):
+    base = torch.randn(6)
+    saved, other = base[:3], base[3:]
+    before = base.clone()
+    grads = ScaledBackward(passthrough, 2, SCALED)([saved, other, torch.tensor(2.0)])
+    assert torch.equal(base, before) and torch.equal(grads[1], 2 * before[:3])
+
+
+def test_scale_unless_one_leaves_memory_alone_at_one_and_multiplies_otherwise():
+    tensors = [torch.randn(3, 4), torch.randn(5, dtype=torch.bfloat16)]
+    kept = [t.clone() for t in tensors]
+    scale_unless_one_(tensors, torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, kept))
+    scale_unless_one_(tensors, torch.tensor(0.5))
+    assert all(torch.equal(a, b * torch.tensor(0.5, dtype=b.dtype)) for a, b in zip(tensors, kept))
+
+
+@pytest.mark.parametrize("gradient", [1.0, 3.0])
+@torch._functorch.config.patch(donated_buffer=False)  # else retain_graph raises (test_errors)
+def test_retain_graph_then_a_second_backward_equals_eager(gradient):
+    eager = Chain(3)
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    inputs = chain_inputs()
+    for module, fn in ((eager, eager), (erased, compiled)):
+        loss = fn(*inputs)
+        loss.backward(torch.tensor(gradient), retain_graph=True)
+        loss.backward(torch.tensor(gradient))
+    assert_same_grads(eager, erased)
