@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.emit import scale_grads
-from erase_fx.emit.scale_grads import ScaledBackward, scale_unless_one_
+from erase_fx.emit.scale_grads import ScaledBackward, is_dense, scale_unless_one_
 from erase_fx.passes import NodeMeta, Role, ScaledGrad, defer_grad_scaling
 from erase_fx.passes.defer_grad_scaling import VIEW_OPS, check_deferred_scaling
 from erase_fx.passes.graph import is_tangent, output_values
@@ -129,6 +129,17 @@ def test_memory_shared_with_another_input_is_scaled_out_of_place(in_backward):
     before = base.clone()
     grads = ScaledBackward(passthrough, 2, SCALED)([saved, other, torch.tensor(2.0)])
     assert torch.equal(base, before) and torch.equal(grads[1], 2 * before[:3])
+
+
+def test_is_dense_agrees_with_torch():
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    base = torch.randn(4, 6, 5)
+    cases = [base, base.permute(2, 0, 1), base.t() if base.dim() == 2 else base.transpose(0, 2),
+             base[:, ::2], base[:, :3], base.expand(2, 4, 6, 5), base[:1], torch.randn(3, 1)[:, :1],
+             torch.randn(7, 1).t(), base.unsqueeze(1).expand(4, 3, 6, 5), torch.empty(0, 3)]
+    for t in cases:
+        assert is_dense(t) == is_non_overlapping_and_dense_or_false(t), (t.shape, t.stride())
 
 
 def test_scale_unless_one_leaves_memory_alone_at_one_and_multiplies_otherwise():

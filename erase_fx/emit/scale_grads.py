@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
-
 from erase_fx.passes.defer_grad_scaling import ScaledGrad
 
 try:
@@ -96,9 +94,26 @@ def _private(grad: torch.Tensor, saved_index: int, arg_storages: list[int | None
              grad_storages: collections.Counter) -> bool:
     """Whether scaling ``grad`` in place changes nothing anyone else can read."""
     ptr = grad.untyped_storage().data_ptr()
-    if grad_storages[ptr] != 1 or not is_non_overlapping_and_dense_or_false(grad):
+    if grad_storages[ptr] != 1 or not is_dense(grad):
         return False
     return all(p != ptr for i, p in enumerate(arg_storages) if i != saved_index)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill a span of memory exactly once (any dim order).
+
+    NB: torch's own check (``torch._prims_common``) handles symbolic sizes and
+    costs ~200 us a call; this runs once per early gradient per backward.
+    """
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
