@@ -3,14 +3,17 @@
 #   bash bench/device_run.sh bench-a   bench.run on the three small configs, with one-stream rows
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
-#   bash bench/device_run.sh paper     the paper's experiments (--quick presets) and their report
+#   bash bench/device_run.sh paper-ctr  the CTR experiment: 5 seeds x 600 steps, five variants (~6 min)
+#   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
 # Results go to $OUT (default bench/results/device); join bench-a and bench-b with
 #   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
+# and, with paper-ctr's ctr.json beside the other paper files, rebuild the report with
+#   python -m bench.paper.report --results-dir $OUT/paper
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|paper) ;;
-  *) sed -n 2,8p "$0"; exit 2 ;;
+  bench-a|bench-b|checks|paper-ctr|paper) ;;
+  *) sed -n 2,11p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -28,10 +31,13 @@ case "$1" in
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
       --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
+  paper-ctr)
+    mkdir -p "$OUT/paper"
+    timeout 570 python3 -m bench.paper.ctr --steps 600 --seeds 5 --budget-s 470 \
+      --variants baseline,eager,reduce-overhead,erase-aot_eager,erase+graphs --results-dir "$OUT/paper" ;;
   paper)
     mkdir -p "$OUT/paper"
-    timeout 200 python3 -m bench.paper.ctr --quick --budget-s 150 --results-dir "$OUT/paper" || true
-    timeout 120 python3 -m bench.paper.digits --quick --out-dir "$OUT/paper" || true
-    timeout 180 python3 -m bench.paper.nanochat --quick --out-dir "$OUT/paper" || true
+    timeout 230 python3 -m bench.paper.digits --out-dir "$OUT/paper" || true
+    timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa --out-dir "$OUT/paper" || true
     python3 -m bench.paper.report --results-dir "$OUT/paper" ;;
 esac

@@ -750,8 +750,8 @@ def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str
             f"streams). erase (no CUDA graphs) and, on CUDA, erase-graphs (CUDA graph replay, "
             f"erase_fx's default there) are each profiled, and each gets its own overlap row: "
             f"replay hides erase_fx's segment labels, not the kernels or their streams. The "
-            f"Chrome "
-            f"traces (.json.gz) are next to this file. Verdict rule: the paper gives no number "
+            f"command writes the Chrome traces (.json.gz) beside its results file (large: not "
+            f"committed). Verdict rule: the paper gives no number "
             f"for either claim, so the rows are 'not comparable' (the note says whether the "
             f"measurement agrees qualitatively), unless a variant measured no overlap at all."
         ),
