@@ -47,15 +47,19 @@ class EraseConfig:
         seed: the loss gradient the early backward is computed with. The
             backward returns ``T / seed * early_grad`` where ``T`` is the real
             loss gradient (1 for ``loss.backward()``, the scale for
-            ``scaler.scale(loss).backward()``). Set it near a GradScaler's scale
-            when the early grads are fp16, so small grads do not underflow.
+            ``scaler.scale(loss).backward()``), multiplying in place, and skips
+            that pass over the early grads (on the device) when ``T == seed``.
+            Set it near a GradScaler's scale when the early grads are fp16, so
+            small grads do not underflow.
         cudagraphs: replay the compiled forward (side streams included) and
             backward from CUDA graphs, so a step costs two launches instead
             of one per kernel. ``None`` (default): on for graphs on a CUDA
             device with static shapes; ``True``: the same (dynamic shapes
             still run without graphs, with a logged reason); ``False``: off.
-            No effect on CPU. See ``erase_fx/emit/cudagraphs.py`` for what
-            keeps replay exact.
+            No effect on CPU. Inside a CUDA graph capture of the caller's
+            (a whole training step captured by hand) the program runs as is,
+            so that capture records it. See ``erase_fx/emit/cudagraphs.py``
+            for what keeps replay exact.
         dump_dir: a folder to write each compiled graph's passes, segments,
             report, pass timings (``timings.json``) and schedule picture
             (``schedule.dot``) into (``graph_<n>/``; see `erase_fx.instruments`);

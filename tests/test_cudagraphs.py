@@ -80,7 +80,7 @@ class FakeGraph:
 
 
 @contextlib.contextmanager
-def fake_capture(graph):
+def fake_capture(graph, pool=None):
     FakeGraph.capturing = graph
     try:
         yield
@@ -123,6 +123,7 @@ def backward(args):
 def graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     # NB: called outside autograd's engine, a backward "keeps its graph".
     monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: False)
     w = torch.randn(3, 3)
@@ -194,7 +195,8 @@ def test_a_moved_parameter_is_captured_again(graphed):
     assert torch.equal(loss, expected_loss) and torch.equal(early, expected_early)
 
 
-def test_backward_does_not_replay_over_its_gradients_still_in_use(graphed):
+def test_no_graph_replays_over_the_backwards_gradients_still_in_use(graphed):
+    # both graphs share one memory pool: a forward replay could overwrite them too
     fw, bw, w = graphed
     step(fw, bw, w, torch.randn(2, 3))
     _, (grad, early) = step(fw, bw, w, torch.randn(2, 3))
@@ -203,8 +205,11 @@ def test_backward_does_not_replay_over_its_gradients_still_in_use(graphed):
     replays = fw.replays, bw.replays
     x = torch.randn(2, 3)
     _, (grad2, _) = step(fw, bw, w, x)
-    assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1])
+    assert (fw.replays, bw.replays) == replays
     assert torch.equal(grad, kept) and torch.equal(grad2, forward([x, w])[1].sum(0))
+    del grad, grad2
+    step(fw, bw, w, torch.randn(2, 3))
+    assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1] + 1)
 
 
 def test_a_backward_that_keeps_its_graph_runs_without_replay(graphed, monkeypatch):

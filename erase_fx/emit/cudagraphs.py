@@ -33,6 +33,11 @@ Rules that keep replay exact (each one has a test on the GPU in
   exact, the second one just not replayed.
 - **Backward.** Replayed only when its saved tensors are exactly those of the
   last forward replay (same memory); otherwise it runs without the graph.
+- **One memory pool.** The backward graph is captured into the forward's
+  memory pool, so its temporaries reuse the forward's (peak memory of one
+  step, not of two graphs side by side). The backward's memory may then lie
+  where the forward keeps its temporaries: the forward also does not replay
+  while the backward's outputs (gradients) are in use.
 - **First calls.** The first call runs without the graph (warm-up: lazy
   initialisation of libraries must not happen under capture); the second
   captures, then replays.
@@ -153,6 +158,7 @@ class GraphedForward:
         self.saved_ptrs: list[int | None] = []
         self.saved_tensor_indices: list[int] = []
         self.memory = _OwnedMemory(())
+        self.pool: Any = None
         self.backward: GraphedBackward | None = None
         self.disabled_reason: str | None = None
         self._said_unreplayed = False
@@ -161,11 +167,12 @@ class GraphedForward:
         self.calls += 1
         if self.disabled_reason is not None or self.calls == 1 or _capturing():
             return list(self.fn(args))
-        if self.graph is not None and self.memory.in_use():
+        if self.graph is not None and (self.memory.in_use() or (
+                self.backward is not None and self.backward.memory.in_use())):
             if not self._said_unreplayed:
                 log.info("erase_fx %s: forward called while tensors of its last replay are in "
-                         "use (saved for a backward not run yet, or early gradients still held "
-                         "as .grad): running such calls without the CUDA graph; call "
+                         "use (saved for a backward not run yet, or gradients still held as "
+                         ".grad): running such calls without the CUDA graph; call "
                          "zero_grad(set_to_none=True) before the forward to replay every "
                          "step", self.name)
                 self._said_unreplayed = True
@@ -198,8 +205,9 @@ class GraphedForward:
             if i not in static and isinstance(a, torch.Tensor)
         ]
         graph = torch.cuda.CUDAGraph()
+        self.pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 outputs = self.fn(list(self.static_inputs))
         except Exception as error:  # noqa: BLE001 - replay is an optimisation; run without it
             self.disabled_reason = f"capture failed: {type(error).__name__}: {error}"
@@ -312,7 +320,7 @@ class GraphedBackward:
         graph = torch.cuda.CUDAGraph()
         try:
             # warm-up of the backward happens in the forward's first (uncaptured) step
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.forward.pool):
                 outputs = self.fn(list(inputs))
         except Exception as error:  # noqa: BLE001 - replay is an optimisation; run without it
             self.disabled_reason = f"capture failed: {type(error).__name__}: {error}"
