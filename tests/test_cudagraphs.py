@@ -212,13 +212,18 @@ def test_no_graph_replays_over_the_backwards_gradients_still_in_use(graphed):
     assert (fw.replays, bw.replays) == (replays[0] + 1, replays[1] + 1)
 
 
+def replaying(fw, bw, w):
+    """Warm up and capture both graphs; the replay counts so far."""
+    step(fw, bw, w, torch.randn(2, 3))
+    step(fw, bw, w, torch.randn(2, 3))
+    return fw.replays, bw.replays
+
+
 def test_a_backward_that_keeps_its_graph_runs_without_replay(graphed, monkeypatch):
     # the backward graph scales early gradients in place: a second backward
     # over the same saved tensors must not see them scaled
     fw, bw, w = graphed
-    step(fw, bw, w, torch.randn(2, 3))
-    step(fw, bw, w, torch.randn(2, 3))
-    replays = fw.replays, bw.replays
+    replays = replaying(fw, bw, w)
     monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: True)
     x = torch.randn(2, 3)
     _, (grad, early) = step(fw, bw, w, x)
@@ -229,9 +234,7 @@ def test_a_backward_that_keeps_its_graph_runs_without_replay(graphed, monkeypatc
 def test_inside_someone_elses_capture_the_program_runs_as_is(graphed, monkeypatch):
     # a whole-step CUDA graph taken by the user captures the compiled program itself
     fw, bw, w = graphed
-    step(fw, bw, w, torch.randn(2, 3))
-    step(fw, bw, w, torch.randn(2, 3))
-    replays = fw.replays, bw.replays
+    replays = replaying(fw, bw, w)
     monkeypatch.setattr(cudagraphs, "_capturing", lambda: True)
     x = torch.randn(2, 3)
     loss, (grad, early) = step(fw, bw, w, x)

@@ -170,6 +170,7 @@ if triton is not None:
                                  n0, n1, n2, n3, n4, n5, n6, n7, BLOCK: tl.constexpr):
         s = tl.load(scale_ptr).to(tl.float32)
         if s != 1.0:
+            # NB: arguments cannot be indexed at run time: one branch per pointer.
             which = tl.program_id(0)
             part = tl.program_id(1)
             parts = tl.num_programs(1)
