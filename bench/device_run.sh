@@ -4,6 +4,7 @@
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
 #   bash bench/device_run.sh paper-ctr  the CTR experiment: 5 seeds x 600 steps, five variants (~6 min)
+#   bash bench/device_run.sh paper-ctr-all  the same, all seven variants, 5 seeds x 400 steps (~8 min est.)
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
 # Results go to $OUT (default bench/results/device); join bench-a and bench-b with
 #   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
@@ -12,8 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|paper-ctr|paper) ;;
-  *) sed -n 2,11p "$0"; exit 2 ;;
+  bench-a|bench-b|checks|paper-ctr|paper-ctr-all|paper) ;;
+  *) sed -n 2,12p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -35,6 +36,9 @@ case "$1" in
     mkdir -p "$OUT/paper"
     timeout 570 python3 -m bench.paper.ctr --steps 600 --seeds 5 --budget-s 470 \
       --variants baseline,eager,reduce-overhead,erase-aot_eager,erase+graphs --results-dir "$OUT/paper" ;;
+  paper-ctr-all)
+    mkdir -p "$OUT/paper"
+    timeout 580 python3 -m bench.paper.ctr --steps 400 --seeds 5 --budget-s 500 --results-dir "$OUT/paper" ;;
   paper)
     mkdir -p "$OUT/paper"
     timeout 230 python3 -m bench.paper.digits --out-dir "$OUT/paper" || true

@@ -5,14 +5,23 @@ import pytest
 import torch
 import torch.fx as fx
 
+from erase_fx import compilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import scale_grads
 from erase_fx.emit.scale_grads import ScaledBackward, is_dense, scale_unless_one_
-from erase_fx.passes import NodeMeta, Role, ScaledGrad, defer_grad_scaling
+from erase_fx.passes import NodeMeta, Role, ScaledGrad, defer_grad_scaling, get_meta
 from erase_fx.passes.defer_grad_scaling import VIEW_OPS, check_deferred_scaling
 from erase_fx.passes.graph import is_tangent, output_values
 from erase_fx.passes.node_meta import set_meta
-from graphs import Chain, Stages, assert_same_grads, chain_inputs, real_values
+from graphs import (
+    Chain,
+    Stages,
+    assert_same_grads,
+    attention_chain,
+    attention_inputs,
+    chain_inputs,
+    real_values,
+)
 
 aten = torch.ops.aten
 
@@ -164,3 +173,31 @@ def test_retain_graph_then_a_second_backward_equals_eager(gradient):
         loss.backward(torch.tensor(gradient), retain_graph=True)
         loss.backward(torch.tensor(gradient))
     assert_same_grads(eager, erased)
+
+
+@pytest.mark.parametrize("make_model, make_inputs", [
+    (lambda: Chain(3), chain_inputs),
+    (lambda: attention_chain(3), attention_inputs),
+], ids=["chain", "attention"])
+def test_with_inductor_every_early_grad_is_deferred(monkeypatch, make_model, make_inputs):
+    # the real pipeline (Inductor's joint passes, min-cut partitioner): a
+    # gradient left scaled in the graph would cost a pass over its memory
+    seen = []
+
+    def spy(bw):
+        result = defer_grad_scaling(bw)
+        scaled_in_graph = [n for n in bw.graph.nodes
+                           if (m := get_meta(n)) is not None and m.role is Role.GRAD_SCALE]
+        seen.append((len(scaled_in_graph), len(result.scaled)))
+        return result
+
+    monkeypatch.setattr(compilation, "defer_grad_scaling", spy)
+    model = make_model()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="erase",
+                             options={"inner": "inductor", "on_error": "raise"})
+    inputs = make_inputs()
+    compiled(*inputs).backward(torch.tensor(2.0))
+    eager(*inputs).backward(torch.tensor(2.0))
+    assert seen and all(found == deferred > 0 for found, deferred in seen), seen
+    assert_same_grads(eager, model, rtol=1e-4, atol=1e-5)
