@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from erase_fx.passes.defer_grad_scaling import ScaledGrad
 
 try:
