@@ -3,18 +3,23 @@
 #   bash bench/device_run.sh bench-a   bench.run on the three small configs, with one-stream rows
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
-#   bash bench/device_run.sh paper-ctr  the CTR experiment: 5 seeds x 600 steps, five variants (~6 min)
-#   bash bench/device_run.sh paper-ctr-all  the same, all seven variants, 5 seeds x 400 steps (~8 min est.)
+#   bash bench/device_run.sh paper-ctr-a  the CTR experiment (full preset: every variant, 1000
+#                                          steps), seeds 0-2 (~7 min)
+#   bash bench/device_run.sh paper-ctr-b  the same, seeds 3-4 (~5 min)
+#   bash bench/device_run.sh paper-ctr-speed  erase+graphs and reduce-overhead only, 5 seeds
+#                                          (~3 min): the speed claim, side by side
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
 # Results go to $OUT (default bench/results/device); join bench-a and bench-b with
 #   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
-# and, with paper-ctr's ctr.json beside the other paper files, rebuild the report with
+# join the CTR parts into ctr.json beside the other paper files, and rebuild the report, with
+#   python -m bench.paper.ctr --merge $OUT/paper/parts/ctr-seeds-0-2.json \
+#     $OUT/paper/parts/ctr-seeds-3-4.json --results-dir $OUT/paper
 #   python -m bench.paper.report --results-dir $OUT/paper
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|paper-ctr|paper-ctr-all|paper) ;;
-  *) sed -n 2,12p "$0"; exit 2 ;;
+  bench-a|bench-b|checks|paper-ctr-a|paper-ctr-b|paper-ctr-speed|paper) ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -32,13 +37,16 @@ case "$1" in
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
       --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
-  paper-ctr)
-    mkdir -p "$OUT/paper"
-    timeout 570 python3 -m bench.paper.ctr --steps 600 --seeds 5 --budget-s 470 \
-      --variants baseline,eager,reduce-overhead,erase-aot_eager,erase+graphs --results-dir "$OUT/paper" ;;
-  paper-ctr-all)
-    mkdir -p "$OUT/paper"
-    timeout 580 python3 -m bench.paper.ctr --steps 400 --seeds 5 --budget-s 500 --results-dir "$OUT/paper" ;;
+  paper-ctr-a)
+    timeout 580 python3 -m bench.paper.ctr --seed 0 --seeds 3 --budget-s 480 \
+      --name ctr-seeds-0-2 --results-dir "$OUT/paper/parts" ;;
+  paper-ctr-b)
+    # NB: the no-local-loss demonstration ran in part a
+    timeout 580 python3 -m bench.paper.ctr --seed 3 --seeds 2 --budget-s 480 --freeze-steps 0 \
+      --name ctr-seeds-3-4 --results-dir "$OUT/paper/parts" ;;
+  paper-ctr-speed)
+    timeout 580 python3 -m bench.paper.ctr --variants reduce-overhead,erase+graphs --seeds 5 \
+      --freeze-steps 0 --budget-s 400 --name ctr-speed --results-dir "$OUT/paper" ;;
   paper)
     mkdir -p "$OUT/paper"
     timeout 230 python3 -m bench.paper.digits --out-dir "$OUT/paper" || true

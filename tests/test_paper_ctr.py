@@ -8,6 +8,7 @@ block without one gets none (and erase_fx finds no early block there).
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ def test_ctr_results_follow_the_contract_and_erase_equals_eager(tmp_path):
     assert payload["meta"]["command"].startswith("python -m bench.paper.ctr --device cpu")
     assert [f["kind"] for f in payload["figures"]] == ["line", "bar"]
     assert payload["data"]["failures"] == []
+    # kept final parameters live on the host: the peak memory column is the run's own
+    assert payload["meta"]["final_params_kept_on"] == "cpu"
+    assert "includes the final parameters" not in payload["tables"][0]["caption"]
 
     runs = {run["variant"]: run for run in payload["data"]["runs"]}
     assert list(runs) == ["baseline", "eager", "erase-aot_eager"]
@@ -134,3 +138,81 @@ def test_cuda_only_variants_are_refused_on_cpu_and_flags_override_the_preset():
     args = ctr.parse_args(["--device", "cpu", "--quick", "--steps", "7"])
     assert args.steps == 7 and args.seeds == ctr.PRESETS["quick"]["seeds"]
     assert args.variants == ctr.CPU_DEFAULT_VARIANTS and args.inner == "aot_eager"
+
+
+def test_the_rounding_control_starts_one_float_step_away_and_is_reported(tmp_path):
+    code, payload = run_experiment(ctr.main, "ctr", [
+        *TINY, "--steps", "4", "--freeze-steps", "0", "--audit-steps", "1",
+        "--variants", "eager,eager+1ulp,erase-aot_eager"], tmp_path)
+    assert code == 0
+    runs = {run["variant"]: run for run in payload["data"]["runs"]}
+    # one float step in every weight changes the run, but only by rounding
+    assert runs["eager+1ulp"]["losses"] != runs["eager"]["losses"]
+    assert max(abs(x - y) for x, y in zip(runs["eager+1ulp"]["losses"],
+                                          runs["eager"]["losses"])) < 1e-4
+    control = payload["data"]["exactness"]["eager+1ulp vs eager"]
+    assert 0 < control["max_param_diff"] < 1e-3
+    exact = next(t for t in payload["tables"] if t["caption"].startswith("Exactness"))
+    flags = {(row[0], row[1]): row[-1] for row in exact["rows"]}
+    assert flags == {("erase-aot_eager", "eager"): "yes", ("eager+1ulp", "eager"): "no (control)"}
+    # the control is a curve of the NE figure, not a bar of the speed figure
+    line, bar = payload["figures"]
+    assert "eager+1ulp" in [s["label"] for s in line["series"]]
+    assert "eager+1ulp" not in [s["label"] for s in bar["series"]]
+
+
+def test_nudge_one_ulp_moves_every_weight_by_exactly_one_float_step():
+    model = torch.nn.Linear(5, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    ctr.nudge_one_ulp(model)
+    for old, new in zip(before, model.parameters()):
+        assert torch.equal(new, torch.nextafter(old, torch.full_like(old, float("inf"))))
+        assert (new > old).all()
+
+
+MERGE_RUN = [*TINY, "--steps", "4", "--audit-steps", "1", "--variants", "eager,erase-aot_eager"]
+
+
+def test_a_run_split_over_seeds_merges_into_the_run_of_all_seeds(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_experiment(ctr.main, "ctr", [*MERGE_RUN, "--seeds", "2"], whole)
+    run_experiment(ctr.main, "a", [*MERGE_RUN, "--seed", "0", "--seeds", "1", "--name", "a"],
+                   parts)
+    run_experiment(ctr.main, "b", [*MERGE_RUN, "--seed", "1", "--seeds", "1", "--name", "b",
+                                   "--freeze-steps", "0"], parts)
+    code, merged = run_experiment(ctr.main, "ctr", [
+        "--merge", str(parts / "b.json"), str(parts / "a.json")], parts)
+    assert code == 0
+    expected = json.loads((whole / "ctr.json").read_text())
+
+    def trained(payload):
+        return [(r["variant"], r["seed"], r["losses"], r["ne_curve"], r["audit"])
+                for r in payload["data"]["runs"]]
+    assert trained(merged) == trained(expected)
+    assert merged["data"]["exactness"] == expected["data"]["exactness"]
+    assert [r["audit"] for r in merged["data"]["freeze_demo"]["runs"]] == [
+        r["audit"] for r in expected["data"]["freeze_demo"]["runs"]]
+    assert [t["caption"] for t in merged["tables"]] == [t["caption"] for t in expected["tables"]]
+    assert merged["summary"] == expected["summary"]
+    assert merged["meta"]["seeds"] == 2
+    assert merged["meta"]["command"].startswith("python -m bench.paper.ctr --merge")
+    assert [(p["file"], p["seeds"]) for p in merged["meta"]["merged_from"]] == [
+        ("b.json", [1]), ("a.json", [0])]
+
+
+def test_merge_refuses_files_that_are_not_parts_of_one_run(tmp_path):
+    run_experiment(ctr.main, "a", [*MERGE_RUN, "--freeze-steps", "0", "--name", "a"], tmp_path)
+    run_experiment(ctr.main, "b", [*MERGE_RUN, "--freeze-steps", "0", "--name", "b",
+                                   "--seed", "1", "--lr", "1e-3"], tmp_path)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    with pytest.raises(ValueError, match="differ in lr"):
+        ctr.merge([a, b], "ctr", "python -m bench.paper.ctr --merge")
+    with pytest.raises(ValueError, match="a seed is in two files"):
+        ctr.merge([a, a], "ctr", "python -m bench.paper.ctr --merge")
+    with pytest.raises(ValueError, match="a results file or more"):
+        ctr.merge([], "ctr", "python -m bench.paper.ctr --merge")
+    # one file: the same runs summarized again
+    again = ctr.merge([a], "ctr", "python -m bench.paper.ctr --merge a.json")
+    assert [(r["variant"], r["seed"], r["losses"], r["qps"]) for r in again["data"]["runs"]] == [
+        (r["variant"], r["seed"], r["losses"], r["qps"])
+        for r in json.loads(a.read_text())["data"]["runs"]]

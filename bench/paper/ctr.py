@@ -63,6 +63,10 @@ optimizer, Adam by default; same data order)
     ``baseline``          the same architecture without detach, trained end to
                           end on the same total loss (eager);
     ``eager``             the detached model, eager;
+    ``eager+1ulp``        the rounding control: ``eager`` with every initial
+                          weight moved one float step (``torch.nextafter``);
+                          how far rounding alone carries the loss, NE and
+                          weights over a run;
     ``inductor``          stock ``torch.compile`` of the detached model;
     ``reduce-overhead``   stock ``torch.compile(mode="reduce-overhead")``
                           (Inductor and CUDA graph trees; CUDA only);
@@ -74,7 +78,9 @@ optimizer, Adam by default; same data order)
     ``erase+graphs``      the same with ``cudagraphs=True`` (CUDA only).
     Inductor's fused kernels round differently from eager (~1e-3 relative on
     some gradients), so ``erase`` is also compared with ``inductor``: its NE
-    difference from eager is expected tiny but not zero.
+    difference from eager is expected tiny but not zero. Training amplifies
+    any rounding difference over the steps; ``eager+1ulp`` measures by how
+    much, so the NE differences of the Inductor variants have a yardstick.
 
 Throughput
     Per-step QPS = batch / step time (forward, backward, optimizer step;
@@ -95,6 +101,10 @@ Audit (the reviewers' point, made checkable)
 Results go to ``<--results-dir>/ctr.json`` (``ctr-no-local-loss.json`` with
 ``--no-local-loss``), rewritten after every run, in the contract of
 ``bench/paper/README.md``; ``python -m bench.paper.report`` renders them.
+A run too long for one sitting can be split over seeds (``--seed 0 --seeds
+3``, then ``--seed 3 --seeds 2``, each with its own ``--name``) and joined
+with ``--merge``: the same results as one run of all the seeds, with the
+command of each part in ``meta.merged_from``.
 """
 from __future__ import annotations
 
@@ -108,11 +118,13 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -143,8 +155,8 @@ CALIBRATION_ROWS = 1 << 16
 CHUNK_ROWS = 1 << 20
 
 #: Variants in run order; see the module docstring.
-VARIANTS = ("baseline", "eager", "inductor", "reduce-overhead", "erase-aot_eager", "erase",
-            "erase+graphs")
+VARIANTS = ("baseline", "eager", "eager+1ulp", "inductor", "reduce-overhead", "erase-aot_eager",
+            "erase", "erase+graphs")
 #: Variants that need CUDA.
 CUDA_ONLY = ("reduce-overhead", "erase+graphs")
 #: Variants run by default on the CPU (no Inductor, no CUDA graphs).
@@ -153,6 +165,8 @@ CPU_DEFAULT_VARIANTS = ("baseline", "eager", "erase-aot_eager")
 ERASE_VARIANTS = ("erase+graphs", "erase", "erase-aot_eager")
 #: Stock compilations of the same detached model, the fair baselines of erase.
 STOCK_VARIANTS = ("eager", "inductor", "reduce-overhead")
+#: The rounding control: ``eager`` from initial weights one float step away.
+ROUNDING_CONTROL = "eager+1ulp"
 
 #: The paper's claim: p90 QPS gain on its CTR model (percent).
 PAPER_P90_GAIN = 9.51
@@ -489,7 +503,7 @@ class Settings:
 
 def compile_variant(name: str, model: nn.Module, settings: Settings) -> Callable[..., Any]:
     """What a training step of variant ``name`` calls: the module or a compiled wrapper."""
-    if name in ("baseline", "eager"):
+    if name in ("baseline", "eager", ROUNDING_CONTROL):
         return model
     if name == "inductor":
         return torch.compile(model)
@@ -499,6 +513,13 @@ def compile_variant(name: str, model: nn.Module, settings: Settings) -> Callable
     options = {"inner": inner, "streams": settings.streams,
                "cudagraphs": name == "erase+graphs"}
     return torch.compile(model, backend="erase", options=options)
+
+
+def nudge_one_ulp(model: nn.Module) -> None:
+    """Move every parameter one float step up (``torch.nextafter`` towards +inf), in place."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.nextafter(param, torch.full_like(param, math.inf)))
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -589,6 +610,8 @@ def _train(result: RunResult, base: BlockChainCTR, data: Dataset, settings: Sett
     device = settings.device
     torch._dynamo.reset()
     model = copy.deepcopy(base).to(device)
+    if result.variant == ROUNDING_CONTROL:
+        nudge_one_ulp(model)
     step_fn = compile_variant(result.variant, model, settings)
     optimizer = make_optimizer(settings.optimizer, model.parameters(), settings.lr)
     timer = common.StepTimer(device)
@@ -626,7 +649,9 @@ def _train(result: RunResult, base: BlockChainCTR, data: Dataset, settings: Sett
     if device.type == "cuda":
         result.peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
     if keep_params:
-        result.final_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # NB: on the host, so that the next run's peak memory does not count them
+        result.final_params = {n: p.detach().to("cpu", copy=True)
+                               for n, p in model.named_parameters()}
 
 
 def compare_final_params(runs: Sequence[RunResult]) -> None:
@@ -736,7 +761,9 @@ def exactness(a: list[RunResult], b: list[RunResult]) -> dict[str, Any]:
     param_diff = None if None in diffs else max(diffs)
     return {"seeds": len(pairs), "max_train_loss_diff": loss_diff, "final_ne_diff": ne_diff,
             "ne_curve_max_diff": curve_diff, "max_param_diff": param_diff,
-            "final_ne_signed_diff_mean": mean_std([r.final_ne - s.final_ne for r, s in pairs])[0]}
+            "final_ne_signed_diff_mean": mean_std([r.final_ne - s.final_ne for r, s in pairs])[0],
+            "final_ne_abs_diff_mean": mean_std([abs(r.final_ne - s.final_ne)
+                                                for r, s in pairs])[0]}
 
 
 def gain(a: list[RunResult], b: list[RunResult], stat: str = "p90") -> tuple[float, float]:
@@ -753,19 +780,26 @@ def verdict(gain_mean: float, gain_std: float, paper: float) -> str:
     return "better" if gain_mean > paper else "worse"
 
 
-def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Dataset,
+def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Dataset | DataFacts,
               args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, Any]:
     """The results JSON (contract of bench/paper/README.md) from the runs so far."""
     grouped = by_variant(runs)
     name, k = args.name, args.blocks
-    tables = [_variant_table(grouped, data)]
+    # NB: runs before the fix kept each run's final parameters on the GPU until the seed ended
+    peak_note = ("" if meta.get("final_params_kept_on") == "cpu" else
+                 " (peak memory here includes the final parameters of the seed's earlier "
+                 "variants, kept on the GPU for the exactness table: one model's worth per "
+                 "variant before it in the row order)")
+    tables = [_variant_table(grouped, data, peak_note)]
     exact = _exactness_rows(grouped)
     if exact:
         tables.append(common.table(
             "Exactness: largest difference from the reference over every step and seed "
-            "(erase-aot_eager vs eager must be exactly 0)",
+            "(erase-aot_eager vs eager must be exactly 0; the rounding control "
+            f"{ROUNDING_CONTROL}, eager from weights one float step away, shows how far "
+            "rounding alone carries a run)",
             ["variant", "reference", "seeds", "max |d train loss|", "max |d final NE|",
-             "max |d NE curve|", "max |d param|", "exact"],
+             "mean |d final NE|", "max |d NE curve|", "max |d param|", "exact"],
             [row["cells"] for row in exact]))
     speed = _speed_rows(grouped)
     if speed:
@@ -795,9 +829,12 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
     title = f"CTR model with {k} detached dense blocks"
     if args.no_local_loss:
         title += f" (no local losses on blocks 1-{k - 1})"
+    subset = tuple(args.variants) != VARIANTS
+    if subset:
+        title += f": {', '.join(args.variants)} only"
     return {
         "title": title,
-        "order": 10,
+        "order": 11 if subset else 10,  # NB: the run of every variant first
         "meta": meta,
         "summary": _summary_text(grouped, data, args, failures),
         "tables": tables,
@@ -821,7 +858,8 @@ def _run_data(run: RunResult) -> dict[str, Any]:
     return fields
 
 
-def _variant_table(grouped: dict[str, list[RunResult]], data: Dataset) -> dict[str, Any]:
+def _variant_table(grouped: dict[str, list[RunResult]], data: Dataset | DataFacts,
+                   peak_note: str = "") -> dict[str, Any]:
     baseline = grouped.get("baseline", [])
     rows = []
     for variant in VARIANTS:
@@ -844,32 +882,42 @@ def _variant_table(grouped: dict[str, list[RunResult]], data: Dataset) -> dict[s
     return common.table(
         f"Per variant, mean ± std over seeds: per-step QPS (samples/s), step time, final eval "
         f"NE (oracle NE {data.oracle_ne:.4f}), NE gap vs the end-to-end baseline, first-step "
-        f"seconds (compilation), peak memory, early blocks erase found",
+        f"seconds (compilation), peak memory, early blocks erase found" + peak_note,
         ["variant", "seeds", "median QPS", "p90 QPS", "p10 QPS", "step ms", "final NE",
          "NE - baseline NE", "first step s", "peak MiB", "early blocks"],
         rows)
 
 
+#: (variant, reference) pairs of the exactness table, in its order. The first
+#: must be exact; the rounding control's row is the yardstick of the others.
+EXACTNESS_PAIRS = (
+    ("erase-aot_eager", "eager"), ("erase-aot_eager", "inductor"),
+    ("erase", "eager"), ("erase", "inductor"),
+    ("erase+graphs", "eager"), ("erase+graphs", "inductor"),
+    ("inductor", "eager"), ("reduce-overhead", "eager"),
+    (ROUNDING_CONTROL, "eager"),
+)
+
+
 def _exactness_rows(grouped: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
     rows = []
-    for variant in ("erase-aot_eager", "erase", "erase+graphs", "inductor", "reduce-overhead"):
-        for reference in ("eager", "inductor"):
-            if variant == reference or variant not in grouped or reference not in grouped:
-                continue
-            if variant in ("inductor", "reduce-overhead") and reference == "inductor":
-                continue
-            numbers = exactness(grouped[variant], grouped[reference])
-            is_exact = (numbers["max_train_loss_diff"] == 0 and numbers["final_ne_diff"] == 0
-                        and numbers["max_param_diff"] in (0, 0.0, None))
-            required = variant == "erase-aot_eager" and reference == "eager"
-            flag = "yes" if is_exact else ("FAIL" if required else "no (rounding)")
-            rows.append({"variant": variant, "reference": reference, "numbers": numbers,
-                         "required": required, "exact": is_exact, "cells": [
-                             variant, reference, numbers["seeds"],
-                             fmt(numbers["max_train_loss_diff"], 3),
-                             fmt(numbers["final_ne_diff"], 3),
-                             fmt(numbers["ne_curve_max_diff"], 3),
-                             fmt(numbers["max_param_diff"], 3), flag]})
+    for variant, reference in EXACTNESS_PAIRS:
+        if variant not in grouped or reference not in grouped:
+            continue
+        numbers = exactness(grouped[variant], grouped[reference])
+        is_exact = (numbers["max_train_loss_diff"] == 0 and numbers["final_ne_diff"] == 0
+                    and numbers["max_param_diff"] in (0, 0.0, None))
+        required = variant == "erase-aot_eager" and reference == "eager"
+        flag = ("yes" if is_exact else "FAIL" if required
+                else "no (control)" if variant == ROUNDING_CONTROL else "no (rounding)")
+        rows.append({"variant": variant, "reference": reference, "numbers": numbers,
+                     "required": required, "exact": is_exact, "cells": [
+                         variant, reference, numbers["seeds"],
+                         fmt(numbers["max_train_loss_diff"], 3),
+                         fmt(numbers["final_ne_diff"], 3),
+                         fmt(numbers["final_ne_abs_diff_mean"], 3),
+                         fmt(numbers["ne_curve_max_diff"], 3),
+                         fmt(numbers["max_param_diff"], 3), flag]})
     return rows
 
 
@@ -963,7 +1011,7 @@ def _failures(runs: Sequence[RunResult], exact: list[dict[str, Any]]) -> list[st
     return failures
 
 
-def _summary_text(grouped: dict[str, list[RunResult]], data: Dataset,
+def _summary_text(grouped: dict[str, list[RunResult]], data: Dataset | DataFacts,
                   args: argparse.Namespace, failures: list[str]) -> str:
     k = args.blocks
     text = (
@@ -978,6 +1026,10 @@ def _summary_text(grouped: dict[str, list[RunResult]], data: Dataset,
         f"percentile of per-step QPS, p10 = 10th. Paper verdict rule: equal within "
         f"max(2 std, 1 point) of +{PAPER_P90_GAIN}%."
     )
+    if ROUNDING_CONTROL in grouped:
+        text += (f" {ROUNDING_CONTROL} is the rounding control: eager training from initial "
+                 "weights each one float step away; its differences from eager are what "
+                 "rounding alone does to a run.")
     if args.no_local_loss:
         text += f" Blocks 1-{k - 1} have no local loss here: they are frozen (zero gradient)."
     if failures:
@@ -1009,6 +1061,16 @@ def _ne_ylim(curves: list[dict[str, Any]], oracle: float) -> list[float | None]:
     return [low - margin, high + margin]
 
 
+def _against_rounding(exact: list[dict[str, Any]], variant: str) -> str:
+    """``variant``'s |d final NE| from eager next to the rounding control's, or ''."""
+    numbers = {row["variant"]: row["numbers"] for row in exact if row["reference"] == "eager"}
+    if variant not in numbers or ROUNDING_CONTROL not in numbers:
+        return ""
+    return "; |d final NE| from eager, mean (max) over seeds: " + ", ".join(
+        f"{v} {numbers[v]['final_ne_abs_diff_mean']:.3g} ({numbers[v]['final_ne_diff']:.3g})"
+        for v in (variant, ROUNDING_CONTROL)) + " (the rounding control)"
+
+
 def _figures(grouped: dict[str, list[RunResult]], name: str,
              oracle_ne: float) -> list[dict[str, Any]]:
     curves = []
@@ -1024,7 +1086,7 @@ def _figures(grouped: dict[str, list[RunResult]], name: str,
     bars = []
     for variant in VARIANTS:
         runs = grouped.get(variant)
-        if runs:
+        if runs and variant != ROUNDING_CONTROL:
             stats = [mean_std([run.qps[key] for run in runs]) for key in ("median", "p90", "p10")]
             bars.append({"label": variant, "y": [m for m, _ in stats],
                          "yerr": [s for _, s in stats]})
@@ -1054,13 +1116,14 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
     best = _best_stock(grouped, "p90")
     if fastest and best:
         mean, std = gain(grouped[fastest], grouped[best])
-        seeds = len(paired(grouped[fastest], grouped[best]))
+        per_seed = ", ".join(f"{100 * (r.qps['p90'] / s.qps['p90'] - 1):+.1f}"
+                             for r, s in paired(grouped[fastest], grouped[best]))
         rows.append({
             "claim": f"p90 QPS gain of the early-backward schedule, CTR model with {k} "
                      "detached dense blocks",
             "paper": f"+{PAPER_P90_GAIN}%",
             "erase_fx": f"{mean:+.2f}% ± {std:.2f} ({fastest} vs {best}, the fastest stock "
-                        f"compilation of the same detached model; {seeds} seeds)",
+                        f"compilation of the same detached model; per seed: {per_seed})",
             "verdict": verdict(mean, std, PAPER_P90_GAIN),
             "note": "different model sizes, GPU and baseline: the paper's baseline and local "
                     "losses are unspecified",
@@ -1087,7 +1150,8 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
                  for v in (ne_variant, "eager", "baseline") if v in grouped]
         rows.append({"claim": "NE of the fastest configuration",
                      "paper": "not measured",
-                     "erase_fx": "final eval NE: " + "; ".join(parts),
+                     "erase_fx": "final eval NE: " + "; ".join(parts)
+                                 + _against_rounding(exact, ne_variant),
                      "verdict": "not comparable",
                      "note": "the paper gives no NE to compare with"})
     proof = next((r for r in exact if r["required"]), None)
@@ -1174,6 +1238,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--results-dir", default=str(common.DEFAULT_RESULTS_DIR))
     parser.add_argument("--name", default=None,
                         help="results file stem (default: ctr, or ctr-no-local-loss)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="run nothing: join results files of one run split over disjoint "
+                             "seeds (e.g. --seed 0 --seeds 3, then --seed 3 --seeds 2) into "
+                             "<results-dir>/<name>.json; every other flag of the parts must "
+                             "agree, and here only --name, --results-dir and --strict count. "
+                             "Given one file: summarize its runs again with this code")
     args = parser.parse_args(argv)
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
@@ -1255,6 +1325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = args.device
     say = lambda text: print(text, flush=True)  # noqa: E731
+    if args.merge:
+        payload = merge([Path(p) for p in args.merge], args.name,
+                        common.command_line("bench.paper.ctr", argv))
+        common.write_results(args.name, payload, args.results_dir)
+        return _finish(payload, args, f"from {len(args.merge)} results file(s)", say)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     torch.backends.cudnn.allow_tf32 = args.tf32
     if args.deterministic:
@@ -1274,7 +1349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = common.run_meta(
         device, common.command_line("bench.paper.ctr", argv), quick=args.quick,
         erase_fx=erase_fx.__version__, variants=list(args.variants), steps=args.steps,
-        seeds=args.seeds, batch=args.batch, deterministic=args.deterministic, tf32=args.tf32)
+        seeds=args.seeds, batch=args.batch, deterministic=args.deterministic, tf32=args.tf32,
+        settings=settings_record(args), final_params_kept_on="cpu")
     demo: dict[str, Any] | None = None
 
     def save(runs: list[RunResult]) -> dict[str, Any]:
@@ -1291,13 +1367,114 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               warmup=min(args.warmup, args.freeze_steps))
         demo = freeze_demo(model_sizes, data, freeze_settings, args.seed, args.local_weight, say)
     runs = run_seeds(args, data, model_sizes, settings, budget, save, say)
-    payload = save(runs)
+    return _finish(save(runs), args, f"in {budget.elapsed():.0f} s", say)
+
+
+def _finish(payload: dict[str, Any], args: argparse.Namespace, how: str,
+            say: Callable[[str], None]) -> int:
+    """Print the main tables and the failures; the exit status."""
     for table in payload["tables"][:3]:
         say(_format_table(table))
     failures = payload["data"]["failures"]
-    say(f"wrote {args.results_dir}/{args.name}.json in {budget.elapsed():.0f} s; "
+    say(f"wrote {args.results_dir}/{args.name}.json {how}; "
         + ("FAIL: " + "; ".join(failures) if failures else "no FAIL"))
     return 1 if failures and args.strict else 0
+
+
+# -- merging runs split over several invocations ------------------------------------
+
+#: Flags that may differ between the parts of a merged run.
+MERGE_MAY_DIFFER = ("seed", "seeds", "budget_s", "results_dir", "name", "merge", "strict",
+                    "freeze_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFacts:
+    """What a summary needs to know of the data (a merge has no `Dataset`)."""
+
+    oracle_ne: float
+    train_ctr: float
+
+
+def settings_record(args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag of a run, JSON-ready (``meta.settings``): what ``--merge`` checks."""
+    record = {}
+    for key, value in vars(args).items():
+        if isinstance(value, torch.device):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        record[key] = value
+    return record
+
+
+def merge(paths: Sequence[Path], name: str, command: str) -> dict[str, Any]:
+    """One results payload from the files of one run split over disjoint seeds.
+
+    Given one file, it summarizes that run again with this version of the
+    code (new tables from the same measurements).
+
+    The gradient audit is the first seed's, as in a run of all the seeds
+    (each part audited its own first seed); the no-local-loss demonstration
+    is the first part's that has one.
+
+    Raises ValueError when the files do not belong together: a flag other
+    than `MERGE_MAY_DIFFER`, the device, the torch version or the data
+    differ, a seed is in two files, or the seeds have a gap.
+    """
+    if not paths:
+        raise ValueError("--merge needs a results file or more")
+    parts = [json.loads(Path(path).read_text()) for path in paths]
+    for path, part in zip(paths, parts):
+        if "settings" not in part["meta"]:
+            raise ValueError(f"{path} has no meta.settings: it was written before --merge "
+                             f"existed; run it again")
+    first = parts[0]
+    for path, part in zip(paths[1:], parts[1:]):
+        differ = sorted(key for key in first["meta"]["settings"].keys()
+                        | part["meta"]["settings"].keys()
+                        if key not in MERGE_MAY_DIFFER
+                        and first["meta"]["settings"].get(key) != part["meta"]["settings"].get(key))
+        differ += [f"meta.{key}" for key in ("torch", "device")
+                   if part["meta"][key] != first["meta"][key]]
+        differ += [f"data.{key}" for key in ("oracle_ne", "train_ctr")
+                   if part["data"][key] != first["data"][key]]
+        if differ:
+            raise ValueError(f"{path} and {paths[0]} are not parts of one run: they differ in "
+                             f"{', '.join(differ)}")
+    seeds_by_file = [sorted({run["seed"] for run in part["data"]["runs"]}) for part in parts]
+    seeds = sorted(seed for part_seeds in seeds_by_file for seed in part_seeds)
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"a seed is in two files (seeds per file: {seeds_by_file})")
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+        raise ValueError(f"the seeds have a gap (seeds per file: {seeds_by_file})")
+    runs = sorted((_run_from_data(run) for part in parts for run in part["data"]["runs"]),
+                  key=lambda run: (run.seed, VARIANTS.index(run.variant)))
+    for run in runs:
+        # NB: each part audited its own first seed; the audit is the first seed's
+        if run.seed != seeds[0]:
+            run.audit = []
+    demo = next(({"runs": [_run_from_data(run) for run in part["data"]["freeze_demo"]["runs"]],
+                  "explain": part["data"]["freeze_demo"]["explain"]}
+                 for part in parts if part["data"]["freeze_demo"]), None)
+    settings = {**first["meta"]["settings"], "seed": seeds[0], "seeds": len(seeds), "name": name}
+    meta = {key: value for key, value in first["meta"].items() if key != "budget_exhausted"}
+    meta.update(command=command, seeds=len(seeds), settings=settings, merged_from=[
+        {"file": Path(path).name, "seeds": part_seeds, **{
+            key: part["meta"].get(key)
+            for key in ("date", "command", "git_commit", "budget_exhausted")}}
+        for path, part, part_seeds in zip(paths, parts, seeds_by_file)])
+    data = DataFacts(first["data"]["oracle_ne"], first["data"]["train_ctr"])
+    return summarize(runs, demo, data, argparse.Namespace(**settings), meta)
+
+
+def _run_from_data(fields: dict[str, Any]) -> RunResult:
+    """A `RunResult` back from its JSON (``null`` was NaN)."""
+    fields = dict(fields, ne_curve=[tuple(point) for point in fields["ne_curve"]])
+    for key in ("compile_seconds", "peak_mib"):
+        if fields[key] is None:
+            fields[key] = math.nan
+    return RunResult(**fields)
 
 
 def _undetached(base: BlockChainCTR) -> BlockChainCTR:

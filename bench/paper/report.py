@@ -151,10 +151,11 @@ def markdown_table(columns: Sequence[Any], rows: Sequence[Sequence[Any]]) -> lis
 
 
 def meta_line(meta: Mapping[str, Any]) -> str:
-    """``device · torch · date · `command```, then every other meta key."""
+    """``device · torch · date · `command```, then every other meta key but `settings`
+    (a machine-readable record of every flag, left in the JSON)."""
     line = (f"*{meta['device']} · torch {meta['torch']} · {meta['date']}* · "
             f"`{meta['command']}`")
-    extra = {k: v for k, v in meta.items() if k not in META_KEYS}
+    extra = {k: v for k, v in meta.items() if k not in (*META_KEYS, "settings")}
     if extra:
         line += "  \n" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in extra.items())
     return line
