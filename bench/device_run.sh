@@ -6,6 +6,8 @@
 #   bash bench/device_run.sh paper-ctr-a  the CTR experiment (full preset: every variant, 1000
 #                                          steps), seeds 0-2 (~7 min)
 #   bash bench/device_run.sh paper-ctr-b  the same, seeds 3-4 (~5 min)
+#   bash bench/device_run.sh paper-ctr-c  the same, seed 5 (~3 min; part a's budget ran out
+#                                          before its last run, erase+graphs of seed 2)
 #   bash bench/device_run.sh paper-ctr-speed  erase+graphs and reduce-overhead only, 5 seeds
 #                                          (~3 min): the speed claim, side by side
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
@@ -13,13 +15,13 @@
 #   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
 # join the CTR parts into ctr.json beside the other paper files, and rebuild the report, with
 #   python -m bench.paper.ctr --merge $OUT/paper/parts/ctr-seeds-0-2.json \
-#     $OUT/paper/parts/ctr-seeds-3-4.json --results-dir $OUT/paper
+#     $OUT/paper/parts/ctr-seeds-3-4.json $OUT/paper/parts/ctr-seed-5.json --results-dir $OUT/paper
 #   python -m bench.paper.report --results-dir $OUT/paper
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|paper-ctr-a|paper-ctr-b|paper-ctr-speed|paper) ;;
-  *) sed -n 2,17p "$0"; exit 2 ;;
+  bench-a|bench-b|checks|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
+  *) sed -n 2,19p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -44,6 +46,9 @@ case "$1" in
     # NB: the no-local-loss demonstration ran in part a
     timeout 580 python3 -m bench.paper.ctr --seed 3 --seeds 2 --budget-s 480 --freeze-steps 0 \
       --name ctr-seeds-3-4 --results-dir "$OUT/paper/parts" ;;
+  paper-ctr-c)
+    timeout 330 python3 -m bench.paper.ctr --seed 5 --seeds 1 --budget-s 300 --freeze-steps 0 \
+      --name ctr-seed-5 --results-dir "$OUT/paper/parts" ;;
   paper-ctr-speed)
     timeout 580 python3 -m bench.paper.ctr --variants reduce-overhead,erase+graphs --seeds 5 \
       --freeze-steps 0 --budget-s 400 --name ctr-speed --results-dir "$OUT/paper" ;;

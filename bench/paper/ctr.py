@@ -786,10 +786,11 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
     grouped = by_variant(runs)
     name, k = args.name, args.blocks
     # NB: runs before the fix kept each run's final parameters on the GPU until the seed ended
-    peak_note = ("" if meta.get("final_params_kept_on") == "cpu" else
-                 " (peak memory here includes the final parameters of the seed's earlier "
-                 "variants, kept on the GPU for the exactness table: one model's worth per "
-                 "variant before it in the row order)")
+    kept_on = meta.get("final_params_kept_on", "gpu")
+    peak_note = ("" if kept_on == "cpu" else
+                 " (peak memory includes the final parameters of the seed's earlier variants, "
+                 "kept on the GPU for the exactness table: one model's worth per variant "
+                 f"before it in the row order; final parameters kept on: {kept_on})")
     tables = [_variant_table(grouped, data, peak_note)]
     exact = _exactness_rows(grouped)
     if exact:
@@ -1459,6 +1460,10 @@ def merge(paths: Sequence[Path], name: str, command: str) -> dict[str, Any]:
                  for part in parts if part["data"]["freeze_demo"]), None)
     settings = {**first["meta"]["settings"], "seed": seeds[0], "seeds": len(seeds), "name": name}
     meta = {key: value for key, value in first["meta"].items() if key != "budget_exhausted"}
+    kept_on = [part["meta"].get("final_params_kept_on", "gpu") for part in parts]
+    meta["final_params_kept_on"] = (kept_on[0] if len(set(kept_on)) == 1 else ", ".join(
+        f"{where} for seeds {','.join(map(str, part_seeds))}"
+        for where, part_seeds in zip(kept_on, seeds_by_file)))
     meta.update(command=command, seeds=len(seeds), settings=settings, merged_from=[
         {"file": Path(path).name, "seeds": part_seeds, **{
             key: part["meta"].get(key)
