@@ -216,3 +216,19 @@ def test_merge_refuses_files_that_are_not_parts_of_one_run(tmp_path):
     assert [(r["variant"], r["seed"], r["losses"], r["qps"]) for r in again["data"]["runs"]] == [
         (r["variant"], r["seed"], r["losses"], r["qps"])
         for r in json.loads(a.read_text())["data"]["runs"]]
+
+
+def test_merge_says_which_parts_kept_final_parameters_on_the_gpu(tmp_path):
+    for seed in (0, 1):
+        run_experiment(ctr.main, f"p{seed}", [*MERGE_RUN, "--freeze-steps", "0", "--seed",
+                                              str(seed), "--name", f"p{seed}"], tmp_path)
+    # a part written before the fix: its peak memory counted the kept parameters
+    old = json.loads((tmp_path / "p1.json").read_text())
+    del old["meta"]["final_params_kept_on"]
+    (tmp_path / "p1.json").write_text(json.dumps(old))
+    merged = ctr.merge([tmp_path / "p0.json", tmp_path / "p1.json"], "ctr", "merge")
+    assert merged["meta"]["final_params_kept_on"] == "cpu for seeds 0, gpu for seeds 1"
+    assert "final parameters kept on: cpu for seeds 0, gpu for seeds 1" in (
+        merged["tables"][0]["caption"])
+    alone = ctr.merge([tmp_path / "p0.json"], "ctr", "merge")
+    assert "final parameters kept on" not in alone["tables"][0]["caption"]

@@ -1460,10 +1460,12 @@ def merge(paths: Sequence[Path], name: str, command: str) -> dict[str, Any]:
                  for part in parts if part["data"]["freeze_demo"]), None)
     settings = {**first["meta"]["settings"], "seed": seeds[0], "seeds": len(seeds), "name": name}
     meta = {key: value for key, value in first["meta"].items() if key != "budget_exhausted"}
-    kept_on = [part["meta"].get("final_params_kept_on", "gpu") for part in parts]
-    meta["final_params_kept_on"] = (kept_on[0] if len(set(kept_on)) == 1 else ", ".join(
-        f"{where} for seeds {','.join(map(str, part_seeds))}"
-        for where, part_seeds in zip(kept_on, seeds_by_file)))
+    kept_on: dict[str, list[int]] = {}
+    for part, part_seeds in zip(parts, seeds_by_file):
+        kept_on.setdefault(part["meta"].get("final_params_kept_on", "gpu"), []).extend(part_seeds)
+    meta["final_params_kept_on"] = (next(iter(kept_on)) if len(kept_on) == 1 else ", ".join(
+        f"{where} for seeds {','.join(map(str, sorted(where_seeds)))}"
+        for where, where_seeds in kept_on.items()))
     meta.update(command=command, seeds=len(seeds), settings=settings, merged_from=[
         {"file": Path(path).name, "seeds": part_seeds, **{
             key: part["meta"].get(key)
