@@ -59,6 +59,7 @@ class ScaledBackward:
     def __call__(self, args: list[Any]) -> list[Any]:
         in_place = not backward_keeps_graph()
         arg_storages = _storage_ptrs(args) if in_place else []
+        arg_counts = collections.Counter(arg_storages)
         outputs = list(self.fn(args))
         grads, scales = outputs[: self.num_grads], outputs[self.num_grads:]
         grad_storages = collections.Counter(_storage_ptrs(grads))
@@ -68,7 +69,8 @@ class ScaledBackward:
             if grad is None:
                 continue
             scale = scales[entry.scale_index]
-            if in_place and _private(grad, entry.saved_index, arg_storages, grad_storages):
+            if in_place and _private(grad, arg_storages[entry.saved_index], arg_counts,
+                                     grad_storages):
                 groups[entry.scale_index].append(grad)
                 grads[entry.grad_index] = grad.detach()
             else:
@@ -91,13 +93,15 @@ def _storage_ptrs(values: Sequence[Any]) -> list[int | None]:
             for v in values]
 
 
-def _private(grad: torch.Tensor, saved_index: int, arg_storages: list[int | None],
+def _private(grad: torch.Tensor, saved_storage: int | None, arg_counts: collections.Counter,
              grad_storages: collections.Counter) -> bool:
-    """Whether scaling ``grad`` in place changes nothing anyone else can read."""
+    """Whether scaling ``grad`` in place changes nothing anyone else can read: its memory
+    is no other gradient's and no backward input's but its own saved tensor's
+    (``saved_storage``; ``arg_counts`` counts the inputs per memory)."""
     ptr = grad.untyped_storage().data_ptr()
     if grad_storages[ptr] != 1 or not is_dense(grad):
         return False
-    return all(p != ptr for i, p in enumerate(arg_storages) if i != saved_index)
+    return arg_counts[ptr] == (1 if saved_storage == ptr else 0)
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
