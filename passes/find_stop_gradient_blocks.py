@@ -23,7 +23,10 @@ How:
   5. a piece is an early block if it produces parameter gradients, reads the
      gradient of exactly one 0-dim output (the loss), its ready point comes
      before the latest ready point, and every op on its path from the tangent
-     is known to be linear in it (`linearity_violation`) and mutates nothing.
+     is known to be linear in it (`linearity_violation`) and mutates nothing;
+  6. a piece that stays in the backward and that several local losses reach
+     only through sums of gradients (a parameter two blocks share, an
+     activation not detached) says so in its reason's detail (`joining_sums`).
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
 0-dim tangent and a ready point that is a forward node; ids follow ready-point
@@ -223,6 +226,7 @@ def find_stop_gradient_blocks(
         if reason is None:
             blocks.append(Block(len(blocks), comp, comp.tangents[0], params))
         else:
+            detail += _joined_by_sums(comp, by_name, seeds, primal_label)
             rejected.append(Rejected(comp, reason, detail, node, params))
 
     analysis = BlockAnalysis(
@@ -332,6 +336,61 @@ def _reject_reason(
         if why is not None:
             return RejectReason.NOT_LINEAR, why, name
     return None, "", None
+
+
+#: Ops that sum two gradients (autograd's accumulation of a value used twice).
+_SUM_OPS = (torch.ops.aten.add.Tensor,)
+
+
+def joining_sums(comp: Component, by_name: dict[str, fx.Node],
+                 seeds: set[fx.Node]) -> tuple[int, list[fx.Node]]:
+    """How many pieces of ``comp`` read a loss gradient once its sums are taken out, and
+    the sums that join them.
+
+    Two local losses whose backwards meet only in a sum (``add``) of
+    gradients form one component: a parameter both blocks use, or an
+    activation both read with no detach between. Taking the sums out
+    leaves one piece per such loss (pieces that read no seed or tangent,
+    the backward after a sum, do not count).
+    """
+    members = [by_name[name] for name in comp.nodes]
+    sums = [n for n in members if n.target in _SUM_OPS]
+    rest = set(members) - set(sums)
+    graph = nx.Graph()
+    graph.add_nodes_from(rest)
+    graph.add_edges_from((n, a) for n in rest for a in n.all_input_nodes if a in rest)
+    seeded = [piece for piece in nx.connected_components(graph)
+              if any(a in seeds or is_tangent(a) for n in piece for a in n.all_input_nodes)]
+    if len(seeded) < 2:
+        return len(seeded), []
+    piece_of = {n: i for i, piece in enumerate(seeded) for n in piece}
+    joining = [s for s in sums
+               if len({piece_of[a] for a in _summands(s, sums) if a in piece_of}) > 1]
+    return len(seeded), joining
+
+
+def _summands(node: fx.Node, sums: list[fx.Node]) -> list[fx.Node]:
+    """The non-sum nodes a sum (or a tree of sums) adds up."""
+    found, stack = [], list(node.all_input_nodes)
+    while stack:
+        arg = stack.pop()
+        if arg in sums:
+            stack.extend(arg.all_input_nodes)
+        else:
+            found.append(arg)
+    return found
+
+
+def _joined_by_sums(comp: Component, by_name: dict[str, fx.Node], seeds: set[fx.Node],
+                    primal_label: list[str]) -> str:
+    """A note for a rejected component that several losses reach only through sums."""
+    pieces, sums = joining_sums(comp, by_name, seeds)
+    if not sums:
+        return ""
+    grad_of = {name: primal_label[i] for i, name in comp.grad_outputs}
+    what = [f"of {grad_of[s.name]}" if s.name in grad_of else f"at {s.name}" for s in sums]
+    return (f"; the backwards of {pieces} loss terms meet in it only through sums of gradients "
+            f"({', '.join(what)}): a parameter they share, or a value one reads without detach")
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -44,6 +44,17 @@ class TwoBlockNoDetach(TwoBlock):
         return local + F.cross_entropy(self.b2(h1), y.argmax(-1))
 
 
+class TwoBlockSharedLayer(TwoBlock):
+    """Block 2 reuses block 1's last layer (tied weights): their backwards meet in its grads."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(h1), y)
+        shared = self.b1[2]  # Linear(hidden, 16)
+        out = self.b2(torch.tanh(shared(F.pad(h1.detach(), (0, shared.in_features - 16)))))
+        return local + F.cross_entropy(out, y.argmax(-1))
+
+
 class TwoBlockTwoOutputs(TwoBlock):
     """Returns (loss, logits): two tangents; block 1's backward reads only the loss's."""
 

@@ -16,6 +16,7 @@ from graphs import (
     GraphBreakChain,
     TwoBlock,
     TwoBlockNoDetach,
+    TwoBlockSharedLayer,
     TwoBlockTwoOutputs,
     assert_same_grads,
     attention_chain,
@@ -80,9 +81,10 @@ def test_tensor_constants_read_by_several_segments(inner):
     assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
 
 
-def test_model_without_detach_takes_the_stock_path():
-    reports = reports_of(lambda: check_parity(TwoBlockNoDetach(), two_block_inputs))
-    (report,) = reports
+@pytest.mark.parametrize("model", [TwoBlockNoDetach, TwoBlockSharedLayer])
+def test_blocks_joined_by_a_gradient_sum_take_the_stock_path(model):
+    """No detach, or a layer both blocks use: one backward component, exact grads."""
+    (report,) = reports_of(lambda: check_parity(model(), two_block_inputs))
     assert report.blocks == ()
     assert report.fallback_reason == "no early block"
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+import erase_fx
 from erase_fx.config import EraseConfig
 from erase_fx.passes import RejectReason, find_stop_gradient_blocks
 from erase_fx.passes.linearity import is_zero_constant, linearity_violation
@@ -13,6 +14,7 @@ from graphs import (
     ClippedChain,
     TwoBlock,
     TwoBlockNoDetach,
+    TwoBlockSharedLayer,
     TwoBlockTwoOutputs,
     chain_inputs,
     targets,
@@ -71,6 +73,21 @@ def test_no_detach_means_no_early_block():
     assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
     assert analysis.early_flops == 0
     assert analysis.backward_flops > 0
+
+
+def test_a_rejected_component_says_when_losses_meet_only_in_gradient_sums():
+    # block 2 reuses block 1's layer: one component, whose sums are that layer's grads
+    (report,) = erase_fx.explain(TwoBlockSharedLayer(), *two_block_inputs())
+    (rejected,) = report.rejected
+    assert rejected.reason == RejectReason.LAST_BLOCK
+    assert ("the backwards of 2 loss terms meet in it only through sums of gradients "
+            "(of b1.2.bias, of b1.2.weight)") in rejected.detail
+    # no detach: the losses meet in the sum of h1's gradients, an activation
+    (rejected,) = analyse(trace_joint(TwoBlockNoDetach(), *two_block_inputs())).rejected
+    assert "meet in it only through sums of gradients (at add" in rejected.detail
+    # one loss per component: no such note
+    assert all("meet in it" not in r.detail
+               for r in analyse(trace_joint(Chain(3), *chain_inputs())).rejected)
 
 
 def test_two_outputs_block_reads_only_the_loss_tangent():
