@@ -24,9 +24,13 @@ How:
      gradient of exactly one 0-dim output (the loss), its ready point comes
      before the latest ready point, and every op on its path from the tangent
      is known to be linear in it (`linearity_violation`) and mutates nothing;
-  6. a piece that stays in the backward and that several local losses reach
-     only through sums of gradients (a parameter two blocks share, an
-     activation not detached) says so in its reason's detail (`joining_sums`).
+  6. a piece that would stay in the backward although several loss terms
+     reach it only through sums of gradients (a parameter two blocks share,
+     an activation read without detach) is split at those sums
+     (`split_at_sums`): each loss term's part is judged as in 5, with the
+     gradients it adds into the sums as *partial* outputs; the sums and what
+     follows them stay in the backward (``joins_blocks``). Where no part can
+     run early, the reason's detail names the sums.
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
 0-dim tangent and a ready point that is a forward node; ids follow ready-point
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 import torch
@@ -71,6 +75,7 @@ class RejectReason(str, enum.Enum):
     NOT_SCALAR_TANGENT = "not_scalar_tangent"
     MUTATION = "mutation"
     NOT_LINEAR = "not_linear"
+    JOINS_BLOCKS = "joins_blocks"
 
     @property
     def is_unsupported(self) -> bool:
@@ -90,6 +95,8 @@ class Component:
         ready_after: its last forward producer (the node it can start after).
         grad_outputs: (primal index, node name) of each gradient it produces.
         flops: estimated FLOPs of its nodes.
+        partials: its nodes that sums outside it read: the part of a gradient
+            it adds to the other parts (empty for a whole component).
     """
 
     nodes: tuple[str, ...]
@@ -99,6 +106,7 @@ class Component:
     ready_after: str
     grad_outputs: tuple[tuple[int, str], ...]
     flops: int
+    partials: tuple[str, ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -218,16 +226,44 @@ def find_stop_gradient_blocks(
     components.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
     with_grads = [c for c in components if c.grad_outputs]
     latest = max((ready_position(c) for c in with_grads), default=-1)
-    blocks: list[Block] = []
+
+    def params_of(comp: Component) -> tuple[str, ...]:
+        return tuple(primal_label[i] for i, _ in sorted(comp.grad_outputs))
+
+    def describe(members: set[fx.Node]) -> Component:
+        return _describe(members, seeds, helper_pool, required_forward, grad_index, position)
+
+    early: list[Component] = []
     rejected: list[Rejected] = []
     for comp in components:
-        params = tuple(primal_label[i] for i, _ in sorted(comp.grad_outputs))
         reason, detail, node = _reject_reason(comp, by_name, latest, position)
         if reason is None:
-            blocks.append(Block(len(blocks), comp, comp.tangents[0], params))
-        else:
-            detail += _joined_by_sums(comp, by_name, seeds, primal_label)
-            rejected.append(Rejected(comp, reason, detail, node, params))
+            early.append(comp)
+            continue
+        split = None
+        if reason in (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS):
+            split = split_at_sums(comp, by_name, seeds, describe)
+        if split is not None:
+            parts, rest, sums = split
+            judged = [(part, _reject_reason(part, by_name, latest, position)) for part in parts]
+            if any(why[0] is None for _, why in judged):
+                for part, (part_reason, part_detail, part_node) in judged:
+                    if part_reason is None:
+                        early.append(part)
+                    else:
+                        rejected.append(Rejected(part, part_reason, part_detail, part_node,
+                                                 params_of(part)))
+                rejected.append(Rejected(
+                    rest, RejectReason.JOINS_BLOCKS,
+                    f"adds up the gradient parts of {len(parts)} loss terms "
+                    f"({_sums_text(sums, comp, primal_label)}: a parameter they share, or a "
+                    f"value read without detach), then runs in the backward", None,
+                    params_of(rest)))
+                continue
+        detail += _joined_by_sums(comp, by_name, seeds, primal_label)
+        rejected.append(Rejected(comp, reason, detail, node, params_of(comp)))
+    early.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
+    blocks = [Block(i, comp, comp.tangents[0], params_of(comp)) for i, comp in enumerate(early)]
 
     analysis = BlockAnalysis(
         blocks=tuple(blocks),
@@ -304,7 +340,7 @@ def _reject_reason(
     latest: int,
     position: dict[fx.Node, int],
 ) -> tuple[RejectReason | None, str, str | None]:
-    if not comp.grad_outputs:
+    if not comp.grad_outputs and not comp.partials:
         return RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input", None
     if position[by_name[comp.ready_after]] >= latest:
         return (
@@ -343,15 +379,15 @@ _SUM_OPS = (torch.ops.aten.add.Tensor,)
 
 
 def joining_sums(comp: Component, by_name: dict[str, fx.Node],
-                 seeds: set[fx.Node]) -> tuple[int, list[fx.Node]]:
-    """How many pieces of ``comp`` read a loss gradient once its sums are taken out, and
-    the sums that join them.
+                 seeds: set[fx.Node]) -> tuple[list[set[fx.Node]], list[fx.Node]]:
+    """The pieces of ``comp`` that read a loss gradient once its sums are taken out, and
+    the sums that join them (none when fewer than two pieces).
 
-    Two local losses whose backwards meet only in a sum (``add``) of
-    gradients form one component: a parameter both blocks use, or an
-    activation both read with no detach between. Taking the sums out
-    leaves one piece per such loss (pieces that read no seed or tangent,
-    the backward after a sum, do not count).
+    Two loss terms whose backwards meet only in a sum (``add``) of gradients
+    form one component: a parameter both blocks use, or an activation both
+    read with no detach between. Taking the sums out leaves one piece per
+    such loss term (pieces that read no seed or tangent, the backward after
+    a sum, do not count).
     """
     members = [by_name[name] for name in comp.nodes]
     sums = [n for n in members if n.target in _SUM_OPS]
@@ -362,11 +398,50 @@ def joining_sums(comp: Component, by_name: dict[str, fx.Node],
     seeded = [piece for piece in nx.connected_components(graph)
               if any(a in seeds or is_tangent(a) for n in piece for a in n.all_input_nodes)]
     if len(seeded) < 2:
-        return len(seeded), []
+        return seeded, []
     piece_of = {n: i for i, piece in enumerate(seeded) for n in piece}
     joining = [s for s in sums
                if len({piece_of[a] for a in _summands(s, sums) if a in piece_of}) > 1]
-    return len(seeded), joining
+    return seeded, joining
+
+
+def split_at_sums(
+    comp: Component,
+    by_name: dict[str, fx.Node],
+    seeds: set[fx.Node],
+    describe: Callable[[set[fx.Node]], Component],
+) -> tuple[list[Component], Component, list[fx.Node]] | None:
+    """``comp`` split into the parts of its loss terms and the rest, or None.
+
+    A part is a piece of `joining_sums` that reads no sum (so no other part):
+    it can run on its own, and its values that the sums read are its
+    ``partials``. The rest (the sums, the pieces that read them, what
+    follows) reads the parts only through the sums. Returns (parts, rest,
+    joining sums).
+    """
+    pieces, sums = joining_sums(comp, by_name, seeds)
+    if not sums:
+        return None
+    all_sums = {n for n in (by_name[name] for name in comp.nodes) if n.target in _SUM_OPS}
+    parts = [piece for piece in pieces
+             if not any(a in all_sums for n in piece for a in n.all_input_nodes)]
+    if not parts:
+        return None
+    members = {by_name[name] for name in comp.nodes}
+    rest = members.difference(*parts)
+    described = []
+    for piece in parts:
+        part = describe(piece)
+        partials = tuple(n.name for n in (by_name[name] for name in part.nodes)
+                         if any(user in rest for user in n.users))
+        described.append(dataclasses.replace(part, partials=partials))
+    return described, describe(rest), sums
+
+
+def _sums_text(sums: list[fx.Node], comp: Component, primal_label: list[str]) -> str:
+    grad_of = {name: primal_label[i] for i, name in comp.grad_outputs}
+    return ", ".join(f"of {grad_of[s.name]}" if s.name in grad_of else f"at {s.name}"
+                     for s in sums)
 
 
 def _summands(node: fx.Node, sums: list[fx.Node]) -> list[fx.Node]:
@@ -387,10 +462,9 @@ def _joined_by_sums(comp: Component, by_name: dict[str, fx.Node], seeds: set[fx.
     pieces, sums = joining_sums(comp, by_name, seeds)
     if not sums:
         return ""
-    grad_of = {name: primal_label[i] for i, name in comp.grad_outputs}
-    what = [f"of {grad_of[s.name]}" if s.name in grad_of else f"at {s.name}" for s in sums]
-    return (f"; the backwards of {pieces} loss terms meet in it only through sums of gradients "
-            f"({', '.join(what)}): a parameter they share, or a value one reads without detach")
+    return (f"; the backwards of {len(pieces)} loss terms meet in it only through sums of "
+            f"gradients ({_sums_text(sums, comp, primal_label)}): a parameter they share, or "
+            f"a value one reads without detach")
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -423,6 +497,15 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
         if comp.tangents != (block.tangent,) or tangent.meta["val"].dim() != 0:
             raise GraphInvariantError(PASS_NAME, "a block must read one 0-dim tangent",
                                       node=block.tangent)
+        members = set(comp.nodes)
+        for name in comp.nodes:
+            outside = [u for u in by_name[name].users if u.name not in members]
+            allowed = ((lambda u: u.target in _SUM_OPS) if name in comp.partials
+                       else (lambda u: u.op == "output"))
+            if not all(allowed(u) for u in outside) or (name in comp.partials and not outside):
+                raise GraphInvariantError(
+                    PASS_NAME, "a block's nodes may be read outside it only as gradients (by "
+                    "the output) or as gradient parts (by sums)", node=name)
         ready = by_name[comp.ready_after]
         if is_tangent(ready) or ready.name in seen:
             raise GraphInvariantError(PASS_NAME, "ready point is not a forward node",

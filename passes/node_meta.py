@@ -26,6 +26,8 @@ class Role(str, enum.Enum):
     EARLY_BACKWARD = "early_backward"
     #: The backward's ``mul(early_grad, T / seed)`` that returns an early gradient.
     GRAD_SCALE = "grad_scale"
+    #: The backward's ``mul(early_part, T / seed)`` that a sum of gradient parts reads.
+    PARTIAL_SCALE = "partial_scale"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,10 @@ def partition_joint_graph(
     outputs = list(out.args[0])
     early_grads = [n for n in joint.graph.nodes
                    if (m := get_meta(n)) and m.role is Role.EARLY_BACKWARD and m.grad_of is not None]
+    # NB: the early parts of gradients that sums in the backward add up, too
+    early_grads += [n.args[0] for n in joint.graph.nodes
+                    if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE
+                    and n.args[0] not in early_grads]
     k = len(early_grads)
     out.args = (tuple(outputs[:num_fwd_outputs] + early_grads + outputs[num_fwd_outputs:]),)
     descs = out.meta.get("desc")

@@ -21,7 +21,10 @@ node reads no tangent, directly or not; every early gradient output is
 early node is tagged ``NodeMeta(EARLY_BACKWARD, block)`` and, for the
 gradient it produces, ``grad_of``; each ``mul`` is tagged
 ``NodeMeta(GRAD_SCALE, block, grad_of)`` (`defer_grad_scaling` finds it in
-the backward by that tag).
+the backward by that tag). A block split from a larger backward
+(``Component.partials``: the parts of gradients that sums in the backward
+add up, see find_stop_gradient_blocks) hands each part to those sums as
+``mul(early_part, scale)``, tagged ``NodeMeta(PARTIAL_SCALE, block)``.
 
 Before::
 
@@ -110,6 +113,19 @@ def schedule_early_backward(
             env[node] = clone
             last = clone
 
+        for name in comp.partials:
+            # the sums in the backward read T / s * the early part instead
+            original = by_name[name]
+            users = [u for u in original.users if u.name not in to_clone]
+            with graph.inserting_after(original):
+                scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, cfg.seed,
+                                         fake_mode)
+                scaled = call_with_val(graph, aten.mul.Tensor, (env[original], scale),
+                                       fake_mode=fake_mode)
+            set_meta(scaled, NodeMeta(Role.PARTIAL_SCALE, block=block.id))
+            for user in users:
+                user.replace_input_with(original, scaled)
+
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
                 early_grad = env[by_name[grad_name]]
@@ -172,3 +188,22 @@ def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
     if found != expected:
         missing = sorted(expected - found)
         raise GraphInvariantError(PASS_NAME, f"early gradients not returned as T*grad: {missing}")
+    expected_parts = {b.id: len(b.component.partials) for b in analysis.blocks}
+    parts: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if meta is None or meta.role is not Role.PARTIAL_SCALE:
+            continue
+        early, scale = node.args
+        early_meta = get_meta(early) if isinstance(early, fx.Node) else None
+        if early_meta is None or early_meta.role is not Role.EARLY_BACKWARD or (
+                early_meta.block != meta.block):
+            raise GraphInvariantError(PASS_NAME, "a gradient part is not its block's early value",
+                                      node=node.name)
+        if scale not in reads_tangent or not node.users:
+            raise GraphInvariantError(PASS_NAME, "a gradient part unscaled or unread",
+                                      node=node.name)
+        parts[meta.block] = parts.get(meta.block, 0) + 1
+    if {k: v for k, v in parts.items()} != {k: v for k, v in expected_parts.items() if v}:
+        raise GraphInvariantError(PASS_NAME, f"gradient parts per block {parts}, expected "
+                                  f"{expected_parts}")

@@ -36,12 +36,20 @@ class TwoBlock(nn.Module):
 
 
 class TwoBlockNoDetach(TwoBlock):
-    """The same model trained end to end: no stop-gradient, so nothing can run early."""
+    """The same model trained end to end (deep supervision): no stop-gradient, so only
+    head 1's backward (and its part of block 1's gradient) can run early."""
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h1 = self.b1(x)
         local = F.mse_loss(self.head1(h1), y)
         return local + F.cross_entropy(self.b2(h1), y.argmax(-1))
+
+
+class TwoBlockOneLoss(TwoBlock):
+    """One loss at the end and no detach: nothing can run early."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.b2(self.b1(x)), y.argmax(-1))
 
 
 class TwoBlockSharedLayer(TwoBlock):
@@ -53,6 +61,34 @@ class TwoBlockSharedLayer(TwoBlock):
         shared = self.b1[2]  # Linear(hidden, 16)
         out = self.b2(torch.tanh(shared(F.pad(h1.detach(), (0, shared.in_features - 16)))))
         return local + F.cross_entropy(out, y.argmax(-1))
+
+
+class SharedLayerClipped(TwoBlockSharedLayer):
+    """As TwoBlockSharedLayer, but block 1's loss clips its gradient: no part runs early."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(ClipGrad.apply(h1)), y)
+        shared = self.b1[2]
+        out = self.b2(torch.tanh(shared(F.pad(h1.detach(), (0, shared.in_features - 16)))))
+        return local + F.cross_entropy(out, y.argmax(-1))
+
+
+class Towers(nn.Module):
+    """A shared front trained by several towers, each with its own loss (no detach)."""
+
+    def __init__(self, towers: int = 3, d: int = 16, classes: int = 5, as_tuple: bool = False):
+        super().__init__()
+        self.front = nn.Sequential(nn.Linear(d, d), nn.ReLU())
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, classes))
+            for _ in range(towers))
+        self.as_tuple = as_tuple
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        shared = self.front(x)
+        losses = tuple(F.cross_entropy(tower(shared), labels) for tower in self.towers)
+        return losses if self.as_tuple else sum(losses)
 
 
 class TwoBlockTwoOutputs(TwoBlock):

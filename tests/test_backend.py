@@ -15,7 +15,9 @@ from graphs import (
     Chain,
     GraphBreakChain,
     TwoBlock,
+    Towers,
     TwoBlockNoDetach,
+    TwoBlockOneLoss,
     TwoBlockSharedLayer,
     TwoBlockTwoOutputs,
     assert_same_grads,
@@ -81,12 +83,36 @@ def test_tensor_constants_read_by_several_segments(inner):
     assert len(reports[0].blocks) == 2 and reports[0].fallback_reason is None
 
 
-@pytest.mark.parametrize("model", [TwoBlockNoDetach, TwoBlockSharedLayer])
-def test_blocks_joined_by_a_gradient_sum_take_the_stock_path(model):
-    """No detach, or a layer both blocks use: one backward component, exact grads."""
-    (report,) = reports_of(lambda: check_parity(model(), two_block_inputs))
+def test_model_with_one_loss_takes_the_stock_path():
+    (report,) = reports_of(lambda: check_parity(TwoBlockOneLoss(), two_block_inputs))
     assert report.blocks == ()
     assert report.fallback_reason == "no early block"
+
+
+def weighted_towers(out):
+    return 0.3 * out[0] + out[1] + 2.0 * out[2]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("model, inputs, loss_of, blocks", [
+    # no detach (deep supervision): head 1's part runs early
+    (TwoBlockNoDetach, two_block_inputs, None, 1),
+    # a layer both blocks use: block 1's part of its gradient runs early
+    (TwoBlockSharedLayer, two_block_inputs, None, 1),
+    # towers over a shared front: every tower but the last; the front waits for the sum
+    (lambda: Towers(3), chain_inputs, None, 2),
+    (lambda: Towers(3), chain_inputs, lambda out: 3.0 * out, 2),
+    # one tangent per tower loss, each with its own weight
+    (lambda: Towers(3, as_tuple=True), chain_inputs, weighted_towers, 2),
+])
+def test_parts_of_gradients_summed_in_the_backward_equal_eager(
+        inner, model, inputs, loss_of, blocks):
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if inner == "inductor" else {}
+    kwargs = {"loss_of": loss_of} if loss_of else {}
+    (report,) = reports_of(lambda: check_parity(model(), inputs, options={"inner": inner},
+                                                steps=2, **kwargs, **tolerance))
+    assert len(report.blocks) == blocks
+    assert [r.reason for r in report.rejected] == ["last_block", "joins_blocks"]
 
 
 def test_loss_and_logits_both_in_the_final_backward():

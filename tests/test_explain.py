@@ -6,7 +6,7 @@ import torch
 
 import erase_fx
 from erase_fx import GraphReport
-from graphs import BatchNormBlocks, Chain, TwoBlockNoDetach, chain_inputs, two_block_inputs
+from graphs import BatchNormBlocks, Chain, TwoBlockOneLoss, chain_inputs, two_block_inputs
 
 
 @pytest.mark.parametrize("stages", [2, 3, 6])
@@ -27,8 +27,8 @@ def test_chain_of_k_stages_reports_k_minus_1_early_blocks(stages):
     assert 0 < report.early_share < 1
 
 
-def test_no_detach_reports_the_stock_path():
-    (report,) = erase_fx.explain(TwoBlockNoDetach(), *two_block_inputs())
+def test_a_single_loss_reports_the_stock_path():
+    (report,) = erase_fx.explain(TwoBlockOneLoss(), *two_block_inputs())
     assert report.blocks == () and report.fallback_reason == "no early block"
 
 

@@ -13,7 +13,10 @@ from graphs import (
     Chain,
     ClippedChain,
     TwoBlock,
+    SharedLayerClipped,
+    Towers,
     TwoBlockNoDetach,
+    TwoBlockOneLoss,
     TwoBlockSharedLayer,
     TwoBlockTwoOutputs,
     chain_inputs,
@@ -66,8 +69,8 @@ def test_ready_point_is_the_last_forward_producer():
     assert ready.op == "call_function"
 
 
-def test_no_detach_means_no_early_block():
-    joint = trace_joint(TwoBlockNoDetach(), *two_block_inputs())
+def test_one_loss_without_detach_means_no_early_block():
+    joint = trace_joint(TwoBlockOneLoss(), *two_block_inputs())
     analysis = analyse(joint)
     assert analysis.blocks == ()
     assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
@@ -75,16 +78,45 @@ def test_no_detach_means_no_early_block():
     assert analysis.backward_flops > 0
 
 
+def explained(model, inputs):
+    (report,) = erase_fx.explain(model, *inputs())
+    return report
+
+
+@pytest.mark.parametrize("model, early, joined", [
+    # deep supervision: head 1's backward and its part of h1's gradient; block 1 waits
+    (TwoBlockNoDetach, [("head1.weight", "head1.bias")],
+     ("b1.0.weight", "b1.0.bias", "b1.2.weight", "b1.2.bias")),
+    # a layer both blocks use: its gradient parts are summed in the backward
+    (TwoBlockSharedLayer, [("b1.0.weight", "b1.0.bias", "head1.weight", "head1.bias")],
+     ("b1.2.weight", "b1.2.bias")),
+])
+def test_loss_terms_meeting_in_gradient_sums_run_their_parts_early(model, early, joined):
+    report = explained(model(), two_block_inputs)
+    assert [b.params for b in report.blocks] == early
+    assert [(r.reason, r.params) for r in report.rejected] == [
+        ("last_block", ("b2.0.weight", "b2.0.bias", "b2.2.weight", "b2.2.bias")),
+        ("joins_blocks", joined)]
+    assert report.rejected[1].detail.startswith("adds up the gradient parts of 2 loss terms")
+
+
+def test_towers_over_a_shared_front_run_all_but_the_last_early():
+    report = explained(Towers(3), chain_inputs)
+    assert [b.params for b in report.blocks] == [
+        tuple(f"towers.{k}.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")) for k in (0, 1)]
+    assert [r.reason for r in report.rejected] == ["last_block", "joins_blocks"]
+    assert report.rejected[1].params == ("front.0.weight", "front.0.bias")
+    # one tangent per tower loss: each part reads its own
+    report = explained(Towers(3, as_tuple=True), chain_inputs)
+    assert len(report.blocks) == 2
+
+
 def test_a_rejected_component_says_when_losses_meet_only_in_gradient_sums():
-    # block 2 reuses block 1's layer: one component, whose sums are that layer's grads
-    (report,) = erase_fx.explain(TwoBlockSharedLayer(), *two_block_inputs())
-    (rejected,) = report.rejected
+    # block 1's part clips its gradient and block 2's is last: nothing to split off
+    (rejected,) = explained(SharedLayerClipped(), two_block_inputs).rejected
     assert rejected.reason == RejectReason.LAST_BLOCK
     assert ("the backwards of 2 loss terms meet in it only through sums of gradients "
             "(of b1.2.bias, of b1.2.weight)") in rejected.detail
-    # no detach: the losses meet in the sum of h1's gradients, an activation
-    (rejected,) = analyse(trace_joint(TwoBlockNoDetach(), *two_block_inputs())).rejected
-    assert "meet in it only through sums of gradients (at add" in rejected.detail
     # one loss per component: no such note
     assert all("meet in it" not in r.detail
                for r in analyse(trace_joint(Chain(3), *chain_inputs())).rejected)

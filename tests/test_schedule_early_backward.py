@@ -9,6 +9,7 @@ from erase_fx.passes.schedule_early_backward import check_early_schedule
 from graphs import (
     Chain,
     Stages,
+    Towers,
     TwoBlock,
     assert_outputs_close,
     chain_inputs,
@@ -127,3 +128,37 @@ def test_check_early_schedule_catches_a_tangent_read_by_an_early_node(two_block)
     update_meta(tangent, role=Role.EARLY_BACKWARD, block=0)
     with pytest.raises(GraphInvariantError, match="reads a tangent"):
         check_early_schedule(gm, two_block.analysis)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_parts_of_a_shared_gradient_reach_the_sums_scaled_and_compute_the_same_values(inner):
+    stages = Stages(Towers(3), chain_inputs(), EraseConfig(inner=inner), inner=inner)
+    gm = stages.scheduled.gm
+    blocks = stages.analysis.blocks
+    assert len(blocks) == 2 and all(b.component.partials for b in blocks)
+    parts = [n for n in gm.graph.nodes if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE]
+    assert len(parts) == sum(len(b.component.partials) for b in blocks)
+    for part in parts:
+        early, scale = part.args
+        assert get_meta(early).role is Role.EARLY_BACKWARD
+        assert get_meta(early).block == get_meta(part).block
+        assert scale.name == "tangents_1"
+        assert all(user.target is aten.add.Tensor for user in part.users)
+    for _ in range(2):
+        values = real_values(stages.joint.gm)
+        values["tangents_1"] = torch.randn(())
+        assert_outputs_close(run_joint(gm, values), run_joint(stages.joint.gm, values))
+    # the partition keeps the parts' work in the forward (else check_partition raises)
+    assert {get_meta(n).block for n in early_nodes(stages.fw)} == {0, 1}
+
+
+def test_check_early_schedule_catches_an_unscaled_part():
+    from erase_fx.errors import GraphInvariantError
+    from erase_fx.passes.graph import clone_module
+
+    stages = Stages(Towers(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm, _ = clone_module(stages.scheduled.gm)
+    part = next(n for n in gm.graph.nodes if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE)
+    part.args = (part.args[0], 1.0)
+    with pytest.raises(GraphInvariantError, match="unscaled or unread"):
+        check_early_schedule(gm, stages.analysis)
