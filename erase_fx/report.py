@@ -31,6 +31,10 @@ class BlockReport:
         stream: the side stream it runs on.
         num_nodes: how many graph nodes its backward has.
         flops: estimated FLOPs of its backward.
+        partials: how many values it hands to sums in the backward: its
+            parts of gradients that other loss terms add to (a shared
+            parameter's, or a value read without detach); 0 for a block
+            whose backward shares nothing.
     """
 
     id: int
@@ -40,6 +44,7 @@ class BlockReport:
     stream: int
     num_nodes: int
     flops: int
+    partials: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +112,7 @@ class GraphReport:
                     stream=stream_of_block(b.id, cfg),
                     num_nodes=b.component.num_nodes,
                     flops=b.component.flops,
+                    partials=len(b.component.partials),
                 )
                 for b in analysis.blocks
             ),

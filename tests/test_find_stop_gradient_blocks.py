@@ -106,6 +106,9 @@ def test_towers_over_a_shared_front_run_all_but_the_last_early():
         tuple(f"towers.{k}.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")) for k in (0, 1)]
     assert [r.reason for r in report.rejected] == ["last_block", "joins_blocks"]
     assert report.rejected[1].params == ("front.0.weight", "front.0.bias")
+    # each tower hands its part of the front output's gradient to the sum
+    assert [b.partials for b in report.blocks] == [1, 1]
+    assert [b.partials for b in explained(Chain(3), chain_inputs).blocks] == [0, 0]
     # one tangent per tower loss: each part reads its own
     report = explained(Towers(3, as_tuple=True), chain_inputs)
     assert len(report.blocks) == 2
