@@ -107,7 +107,9 @@ def weighted_towers(out):
 ])
 def test_parts_of_gradients_summed_in_the_backward_equal_eager(
         inner, model, inputs, loss_of, blocks):
-    tolerance = {"rtol": 1e-4, "atol": 1e-5} if inner == "inductor" else {}
+    # NB: with aot_eager and T = 1 the sums add the same values as eager: bitwise equal
+    tolerance = ({"rtol": 1e-4, "atol": 1e-5} if inner == "inductor"
+                 else {} if loss_of else {"rtol": 0, "atol": 0})
     kwargs = {"loss_of": loss_of} if loss_of else {}
     (report,) = reports_of(lambda: check_parity(model(), inputs, options={"inner": inner},
                                                 steps=2, **kwargs, **tolerance))
