@@ -3,6 +3,8 @@
 #   bash bench/device_run.sh bench-a   bench.run on the three small configs, with one-stream rows
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
+#   bash bench/device_run.sh towers    bench.run and a race stress on towers over a shared front
+#                                      (the early parts of gradients summed in the backward)
 #   bash bench/device_run.sh paper-ctr-a  the CTR experiment (full preset: every variant, 1000
 #                                          steps), seeds 0-2 (~7 min)
 #   bash bench/device_run.sh paper-ctr-b  the same, seeds 3-4 (~5 min)
@@ -20,8 +22,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
-  *) sed -n 2,19p "$0"; exit 2 ;;
+  bench-a|bench-b|checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
+  *) sed -n 2,21p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -39,6 +41,13 @@ case "$1" in
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
       --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
+  towers)
+    timeout 220 python3 -m bench.check_cuda --parity-config mlp-towers:256:512:1024:4 \
+      --stress-steps 300 --configs mlp-towers:512:1024:2048:6 --variants inductor+graph \
+      --trials 1 | tee "$OUT/check_cuda-towers.log" || true
+    python3 -m bench.run --budget-s 330 --out "$OUT/bench-towers.json" --streams '' \
+      --configs ctr-towers:4096:1024:2048:6,mlp-towers:512:1024:2048:6 \
+      --sweep-configs ctr-towers:4096:1024:2048:6,mlp-towers:512:1024:2048:6 ;;
   paper-ctr-a)
     timeout 580 python3 -m bench.paper.ctr --seed 0 --seeds 3 --budget-s 480 \
       --name ctr-seeds-0-2 --results-dir "$OUT/paper/parts" ;;

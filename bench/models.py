@@ -11,6 +11,12 @@ detached; the loss is the sum of the local losses. A front end feeds stage 0
   click label.
 - ``mlp``: ``Linear(784, d)``; 10-class cross-entropy heads.
 
+``ctr-towers`` and ``mlp-towers`` arrange the same stages as K towers over
+the shared front instead: every tower reads the front's output (nothing is
+detached), so the towers' backwards meet in the sum of the front output's
+gradients; erase_fx runs each tower's part early but the last, and the
+front's backward after the sum.
+
 A config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
 """
 from __future__ import annotations
@@ -27,9 +33,13 @@ CTR_ROWS_PER_FIELD = 50_000
 CTR_EMBED = 64
 
 
+#: Config kinds: the data and front (ctr, mlp), as a chain or as towers.
+KINDS = ("ctr", "mlp", "ctr-towers", "mlp-towers")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainConfig:
-    kind: str  # "ctr" | "mlp"
+    kind: str  # one of KINDS
     batch: int
     d: int
     h: int
@@ -38,9 +48,20 @@ class ChainConfig:
     @classmethod
     def parse(cls, text: str) -> ChainConfig:
         kind, *numbers = text.split(":")
-        if kind not in ("ctr", "mlp") or len(numbers) != 4:
-            raise ValueError(f"config {text!r} is not kind:B:d:h:K with kind ctr or mlp")
+        if kind not in KINDS or len(numbers) != 4:
+            raise ValueError(f"config {text!r} is not kind:B:d:h:K with kind one of "
+                             f"{', '.join(KINDS)}")
         return cls(kind, *(int(n) for n in numbers))
+
+    @property
+    def data(self) -> str:
+        """``ctr`` or ``mlp``: the inputs, front and heads."""
+        return self.kind.removesuffix("-towers")
+
+    @property
+    def towers(self) -> bool:
+        """Stages as towers over the shared front (else a detached chain)."""
+        return self.kind.endswith("-towers")
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.batch}:{self.d}:{self.h}:{self.stages}"
@@ -77,28 +98,31 @@ class CtrFront(nn.Module):
 
 
 class DetachedChain(nn.Module):
-    """A front end, then K stages, each with a local head; stage inputs detached."""
+    """A front end, then K stages, each with a local head; stage inputs detached.
+
+    With a ``*-towers`` config every stage reads the front's output instead.
+    """
 
     def __init__(self, cfg: ChainConfig, detach: bool = True):
         super().__init__()
         self.cfg = cfg
         self.detach = detach
-        self.front = CtrFront(cfg.d) if cfg.kind == "ctr" else nn.Linear(784, cfg.d)
-        out = 1 if cfg.kind == "ctr" else 10
+        self.front = CtrFront(cfg.d) if cfg.data == "ctr" else nn.Linear(784, cfg.d)
+        out = 1 if cfg.data == "ctr" else 10
         self.stages = nn.ModuleList(Stage(cfg.d, cfg.h) for _ in range(cfg.stages))
         self.heads = nn.ModuleList(nn.Linear(cfg.d, out) for _ in range(cfg.stages))
 
     def local_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.cfg.kind == "ctr":
+        if self.cfg.data == "ctr":
             return F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels)
         return F.cross_entropy(logits, labels)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         *features, labels = inputs
-        h = self.front(*features)
+        front = h = self.front(*features)
         loss = None
         for stage, head in zip(self.stages, self.heads):
-            h = stage(h)
+            h = stage(front if self.cfg.towers else h)
             local = self.local_loss(head(h), labels)
             loss = local if loss is None else loss + local
             if self.detach:
@@ -109,7 +133,7 @@ class DetachedChain(nn.Module):
 def make_inputs(cfg: ChainConfig, device: torch.device, generator: torch.Generator | None = None):
     """A fresh random batch: (dense, sparse, labels) for ctr, (pixels, labels) for mlp."""
     b = cfg.batch
-    if cfg.kind == "ctr":
+    if cfg.data == "ctr":
         dense = torch.randn(b, CTR_DENSE, device=device, generator=generator)
         sparse = torch.randint(0, CTR_ROWS_PER_FIELD, (b, CTR_FIELDS), device=device,
                                generator=generator)
@@ -123,9 +147,9 @@ def make_inputs(cfg: ChainConfig, device: torch.device, generator: torch.Generat
 def step_flops(cfg: ChainConfig) -> int:
     """Matrix FLOPs of one forward+backward step (3x the forward's multiply-adds x 2)."""
     b, d, h = cfg.batch, cfg.d, cfg.h
-    out = 1 if cfg.kind == "ctr" else 10
+    out = 1 if cfg.data == "ctr" else 10
     stage = d * h + h * h + h * d + d * out
-    if cfg.kind == "ctr":
+    if cfg.data == "ctr":
         front = CTR_DENSE * 512 + 512 * 256 + 256 * CTR_EMBED + (CTR_FIELDS + 1) * CTR_EMBED * d
     else:
         front = 784 * d
@@ -145,7 +169,7 @@ class PaperSchedule(nn.Module):
 
     def __init__(self, chain: DetachedChain, streams: int = 4):
         super().__init__()
-        if not chain.detach:
+        if not chain.detach or chain.cfg.towers:
             raise ValueError("the paper's scheme needs the detached chain")
         self.chain = chain
         self.streams = [torch.cuda.Stream() for _ in range(streams)]

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from bench import run
 
@@ -56,3 +57,21 @@ def test_merge_joins_parts_of_one_gpu_and_refuses_two(tmp_path):
     assert out.with_suffix(".md").exists()
     second.write_text(json.dumps({"meta": dict(META, gpu="NVIDIA A100"), "rows": ROWS[4:]}))
     assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 2
+
+
+def test_towers_configs_share_the_front_and_run_all_towers_but_the_last_early():
+    import erase_fx
+    from bench.models import ChainConfig, DetachedChain, make_inputs
+    from graphs import check_parity
+
+    cfg = ChainConfig.parse("mlp-towers:8:16:32:3")
+    assert (cfg.data, cfg.towers, str(cfg)) == ("mlp", True, "mlp-towers:8:16:32:3")
+    with erase_fx.collect_reports() as reports:
+        check_parity(DetachedChain(cfg), lambda: make_inputs(cfg, torch.device("cpu")),
+                     rtol=0, atol=0)
+    (report,) = reports
+    assert [b.partials for b in report.blocks] == [1, 1]
+    assert [r.reason for r in report.rejected] == ["last_block", "joins_blocks"]
+    assert report.rejected[1].params == ("front.weight", "front.bias")
+    with pytest.raises(ValueError, match="kind one of ctr, mlp, ctr-towers, mlp-towers"):
+        ChainConfig.parse("towers:8:16:32:3")
