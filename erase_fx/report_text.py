@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from erase_fx.report import GraphReport
+from erase_fx.report import BlockReport, GraphReport
 
 #: How many parameter names a table row shows before "...".
 PARAM_NAMES_SHOWN = 2
@@ -23,7 +23,8 @@ def format_report(report: GraphReport) -> str:
         lines.append(f"  stock path: {report.fallback_reason}")
     if report.blocks:
         rows = [
-            (b.id, b.stream, len(b.params), first_names(b.params), b.ready_after, b.num_nodes,
+            (b.id, b.stream, _count_params(b),
+             first_names(b.params), b.ready_after, b.num_nodes,
              _si(b.flops), _share(b.flops, report.backward_flops))
             for b in report.blocks
         ]
@@ -47,11 +48,19 @@ def format_report(report: GraphReport) -> str:
 
 #: What the table's columns mean, printed under each graph's table.
 TABLE_KEY = (
-    "  (#params: parameter tensors whose gradients the component computes; ready after: the "
-    "forward node\n   after which an early block's backward can start; stream: the side stream "
-    "it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of the whole "
-    "backward's FLOPs)"
+    "  (#params: parameter tensors whose gradients the component computes, +N parts: values it "
+    "adds to\n   gradients that other loss terms share, summed by a joins_blocks row; ready "
+    "after: the forward node\n   after which an early block's backward can start; stream: the "
+    "side stream it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of "
+    "the whole backward's FLOPs)"
 )
+
+
+def _count_params(block: BlockReport) -> str:
+    """``8``, or ``4 +1 part`` for a block that also adds parts to shared gradients."""
+    if not block.partials:
+        return str(len(block.params))
+    return f"{len(block.params)} +{block.partials} part{'s' if block.partials > 1 else ''}"
 
 
 def _share(flops: int, total: int) -> str:

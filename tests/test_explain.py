@@ -52,3 +52,16 @@ def test_report_round_trips_through_json():
 def test_summary_line():
     (report,) = erase_fx.explain(Chain(3), *chain_inputs())
     assert "2 early block(s)" in report.summary()
+
+
+def test_the_table_counts_each_blocks_parts_of_shared_gradients():
+    from erase_fx.report_text import format_report
+    from graphs import Towers
+
+    (report,) = erase_fx.explain(Towers(3), *chain_inputs())
+    rows = [line.split() for line in format_report(report).splitlines()]
+    assert [row[:5] for row in rows if row[:1] in (["0"], ["1"])] == [
+        ["0", "1", "4", "+1", "part"], ["1", "2", "4", "+1", "part"]]
+    assert any(row[:2] == ["joins_blocks", "2"] for row in rows)
+    (plain,) = erase_fx.explain(Chain(3), *chain_inputs())
+    assert "part" not in format_report(plain).split("(#params")[0]
