@@ -244,7 +244,7 @@ def find_stop_gradient_blocks(
         if reason in (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS):
             split = split_at_sums(comp, by_name, seeds, describe)
         if split is not None:
-            parts, rest, sums = split
+            parts, rest, sums, terms = split
             judged = [(part, _reject_reason(part, by_name, latest, position)) for part in parts]
             if any(why[0] is None for _, why in judged):
                 for part, (part_reason, part_detail, part_node) in judged:
@@ -255,7 +255,7 @@ def find_stop_gradient_blocks(
                                                  params_of(part)))
                 rejected.append(Rejected(
                     rest, RejectReason.JOINS_BLOCKS,
-                    f"adds up the gradient parts of {len(parts)} loss terms "
+                    f"adds up the gradient parts of {terms} loss terms "
                     f"({_sums_text(sums, comp, primal_label)}: a parameter they share, or a "
                     f"value read without detach), then runs in the backward", None,
                     params_of(rest)))
@@ -410,21 +410,23 @@ def split_at_sums(
     by_name: dict[str, fx.Node],
     seeds: set[fx.Node],
     describe: Callable[[set[fx.Node]], Component],
-) -> tuple[list[Component], Component, list[fx.Node]] | None:
+) -> tuple[list[Component], Component, list[fx.Node], int] | None:
     """``comp`` split into the parts of its loss terms and the rest, or None.
 
-    A part is a piece of `joining_sums` that reads no sum (so no other part):
-    it can run on its own, and its values that the sums read are its
-    ``partials``. The rest (the sums, the pieces that read them, what
-    follows) reads the parts only through the sums. Returns (parts, rest,
-    joining sums).
+    A part is a piece of `joining_sums` that reads no sum (so no other part)
+    and has matrix work (a piece of elementwise ops, a regularizer's, say,
+    is not worth a stream of its own): it can run on its own, and its values
+    that the sums read are its ``partials``. The rest (the sums, the other
+    pieces, what follows) reads the parts only through the sums. Returns
+    (parts, rest, joining sums, number of loss terms).
     """
     pieces, sums = joining_sums(comp, by_name, seeds)
     if not sums:
         return None
     all_sums = {n for n in (by_name[name] for name in comp.nodes) if n.target in _SUM_OPS}
     parts = [piece for piece in pieces
-             if not any(a in all_sums for n in piece for a in n.all_input_nodes)]
+             if not any(a in all_sums for n in piece for a in n.all_input_nodes)
+             and sum(node_flops(n) for n in piece) > 0]
     if not parts:
         return None
     members = {by_name[name] for name in comp.nodes}
@@ -435,7 +437,7 @@ def split_at_sums(
         partials = tuple(n.name for n in (by_name[name] for name in part.nodes)
                          if any(user in rest for user in n.users))
         described.append(dataclasses.replace(part, partials=partials))
-    return described, describe(rest), sums
+    return described, describe(rest), sums, len(pieces)
 
 
 def _sums_text(sums: list[fx.Node], comp: Component, primal_label: list[str]) -> str:

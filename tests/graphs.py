@@ -91,6 +91,17 @@ class Towers(nn.Module):
         return losses if self.as_tuple else sum(losses)
 
 
+class TwoBlockRegularized(TwoBlock):
+    """TwoBlock whose last loss adds a penalty on its logits: two loss terms meeting in the
+    logits' gradient, the penalty's part elementwise only."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h1 = self.b1(x)
+        local = F.mse_loss(self.head1(h1), y)
+        out = self.b2(h1.detach())
+        return local + F.cross_entropy(out, y.argmax(-1)) + 1e-2 * out.pow(2).mean()
+
+
 class TwoBlockTwoOutputs(TwoBlock):
     """Returns (loss, logits): two tangents; block 1's backward reads only the loss's."""
 

@@ -17,6 +17,7 @@ from graphs import (
     Towers,
     TwoBlockNoDetach,
     TwoBlockOneLoss,
+    TwoBlockRegularized,
     TwoBlockSharedLayer,
     TwoBlockTwoOutputs,
     chain_inputs,
@@ -98,6 +99,15 @@ def test_loss_terms_meeting_in_gradient_sums_run_their_parts_early(model, early,
         ("last_block", ("b2.0.weight", "b2.0.bias", "b2.2.weight", "b2.2.bias")),
         ("joins_blocks", joined)]
     assert report.rejected[1].detail.startswith("adds up the gradient parts of 2 loss terms")
+
+
+def test_a_part_without_matrix_work_is_not_split_off():
+    # the penalty's part (pow, mean: elementwise) is ready before the last loss, but not
+    # worth a stream: the last block stays whole, and only block 1 runs early
+    report = explained(TwoBlockRegularized(), two_block_inputs)
+    assert [b.params for b in report.blocks] == [
+        ("b1.0.weight", "b1.0.bias", "b1.2.weight", "b1.2.bias", "head1.weight", "head1.bias")]
+    assert [r.reason for r in report.rejected] == ["last_block"]
 
 
 def test_towers_over_a_shared_front_run_all_but_the_last_early():
