@@ -502,8 +502,8 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
         members = set(comp.nodes)
         for name in comp.nodes:
             outside = [u for u in by_name[name].users if u.name not in members]
-            allowed = ((lambda u: u.target in _SUM_OPS) if name in comp.partials
-                       else (lambda u: u.op == "output"))
+            allowed = ((lambda u: u.op == "output" or u.target in _SUM_OPS)
+                       if name in comp.partials else (lambda u: u.op == "output"))
             if not all(allowed(u) for u in outside) or (name in comp.partials and not outside):
                 raise GraphInvariantError(
                     PASS_NAME, "a block's nodes may be read outside it only as gradients (by "
