@@ -265,3 +265,19 @@ def test_zero_constants(args, zero):
     graph = fx.Graph()
     node = graph.call_function(*args)
     assert is_zero_constant(node) == zero
+
+
+def test_check_block_analysis_catches_a_part_handed_out_unannounced():
+    import dataclasses
+
+    from erase_fx.errors import GraphInvariantError
+    from erase_fx.passes.find_stop_gradient_blocks import check_block_analysis
+
+    joint = trace_joint(Towers(3), *chain_inputs())
+    analysis = analyse(joint)
+    first = analysis.blocks[0]
+    hidden = dataclasses.replace(first, component=dataclasses.replace(first.component,
+                                                                     partials=()))
+    broken = dataclasses.replace(analysis, blocks=(hidden, *analysis.blocks[1:]))
+    with pytest.raises(GraphInvariantError, match="read outside it only"):
+        check_block_analysis(joint.gm, broken)
