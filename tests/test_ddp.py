@@ -22,10 +22,11 @@ import torch.nn as nn
 WORLD = 2
 
 
-def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float, queue) -> None:
+def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float, queue,
+            model_name: str = "chain") -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     import erase_fx
-    from graphs import Chain, chain_inputs
+    from graphs import Chain, Towers, chain_inputs
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
@@ -33,7 +34,7 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
         torch._dynamo.config.optimize_ddp = optimize_ddp
         torch.manual_seed(0)
         # NB: wide enough (about 1 MiB of weights per stage) for 1 MB buckets to split it
-        model = Chain(3, hidden=8192)
+        model = Chain(3, hidden=8192) if model_name == "chain" else Towers(3)
         eager = nn.parallel.DistributedDataParallel(copy.deepcopy(model),
                                                     bucket_cap_mb=bucket_cap_mb)
         module = copy.deepcopy(model)
@@ -58,11 +59,13 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
         dist.destroy_process_group()
 
 
-def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float) -> list[tuple]:
+def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
+            model_name: str = "chain") -> list[tuple]:
     context = mp.get_context("spawn")
     queue = context.Queue()
     processes = [context.Process(target=_worker, args=(rank, str(tmp_path / "init"),
-                                                       optimize_ddp, bucket_cap_mb, queue))
+                                                       optimize_ddp, bucket_cap_mb, queue,
+                                                       model_name))
                  for rank in range(WORLD)]
     for process in processes:
         process.start()
@@ -74,14 +77,15 @@ def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float) -> list[tuple]:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("optimize_ddp, bucket_cap_mb, graphs, early_blocks", [
-    (False, 25.0, 1, 2),      # one graph: every block but the last goes early
-    (True, 1.0, "several", None),  # split into buckets: exact, whatever stays early
+@pytest.mark.parametrize("model_name, optimize_ddp, bucket_cap_mb, graphs, early_blocks", [
+    ("chain", False, 25.0, 1, 2),      # one graph: every block but the last goes early
+    ("chain", True, 1.0, "several", None),  # split into buckets: exact, whatever stays early
+    ("towers", False, 25.0, 1, 2),     # the towers' parts; the shared front after the sum
 ])
-def test_ddp_gradients_equal_eager_ddp(tmp_path, optimize_ddp, bucket_cap_mb, graphs,
-                                       early_blocks):
+def test_ddp_gradients_equal_eager_ddp(tmp_path, model_name, optimize_ddp, bucket_cap_mb,
+                                       graphs, early_blocks):
     for rank, worst, (num_graphs, blocks), error in run_ddp(tmp_path, optimize_ddp,
-                                                            bucket_cap_mb):
+                                                            bucket_cap_mb, model_name):
         assert error is None, f"rank {rank}: {error}"
         assert worst == 0.0, f"rank {rank}: grads differ from eager DDP by {worst}"
         assert num_graphs > 1 if graphs == "several" else num_graphs == graphs
