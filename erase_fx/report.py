@@ -26,7 +26,8 @@ class BlockReport:
         params: qualified names of the parameters (graph inputs) whose
             gradients it computes.
         ready_after: the forward node after which it can run (its last
-            forward producer), by its name in the joint graph.
+            forward producer; its first piece's, for a block in pieces), by
+            its name in the joint graph.
         tangent: the output gradient its result is scaled by.
         stream: the side stream it runs on.
         num_nodes: how many graph nodes its backward has.
@@ -35,6 +36,9 @@ class BlockReport:
             parts of gradients that other loss terms add to (a shared
             parameter's, or a value read without detach); 0 for a block
             whose backward shares nothing.
+        pieces: how many pieces it launches in, each at its own ready point
+            on its stream (its loss terms' parts, then their sums and what
+            follows); 0 for a block launched whole.
     """
 
     id: int
@@ -45,6 +49,7 @@ class BlockReport:
     num_nodes: int
     flops: int
     partials: int = 0
+    pieces: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +112,13 @@ class GraphReport:
                 BlockReport(
                     id=b.id,
                     params=b.params,
-                    ready_after=b.component.ready_after,
+                    ready_after=(b.component.piece_ready or (b.component.ready_after,))[0],
                     tangent=b.tangent,
                     stream=stream_of_block(b.id, cfg),
                     num_nodes=b.component.num_nodes,
                     flops=b.component.flops,
                     partials=len(b.component.partials),
+                    pieces=len(b.component.pieces),
                 )
                 for b in analysis.blocks
             ),

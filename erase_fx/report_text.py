@@ -24,7 +24,8 @@ def format_report(report: GraphReport) -> str:
     if report.blocks:
         rows = [
             (b.id, b.stream, _count_params(b),
-             first_names(b.params), b.ready_after, b.num_nodes,
+             first_names(b.params),
+             b.ready_after + (f" ({b.pieces} pieces)" if b.pieces else ""), b.num_nodes,
              _si(b.flops), _share(b.flops, report.backward_flops))
             for b in report.blocks
         ]
@@ -50,7 +51,8 @@ def format_report(report: GraphReport) -> str:
 TABLE_KEY = (
     "  (#params: parameter tensors whose gradients the component computes, +N parts: values it "
     "adds to\n   gradients that other loss terms share, summed by a joins_blocks row; ready "
-    "after: the forward node\n   after which an early block's backward can start; stream: the "
+    "after: the forward node\n   after which an early block's backward can start (N pieces: "
+    "it starts there and\n   runs in N pieces, each when ready); stream: the "
     "side stream it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of "
     "the whole backward's FLOPs)"
 )

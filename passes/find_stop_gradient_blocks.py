@@ -30,7 +30,11 @@ How:
      (`split_at_sums`): each loss term's part is judged as in 5, with the
      gradients it adds into the sums as *partial* outputs; the sums and what
      follows them stay in the backward (``joins_blocks``). Where no part can
-     run early, the reason's detail names the sums.
+     run early, the reason's detail names the sums;
+  7. an early block whose loss terms meet in such sums and become ready at
+     different points is cut in pieces (`Component.pieces`): each term's
+     part launches at its own ready point, the rest (the sums and what
+     follows) after the last part, all on the block's stream (`_in_pieces`).
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
 0-dim tangent and a ready point that is a forward node; ids follow ready-point
@@ -97,6 +101,11 @@ class Component:
         flops: estimated FLOPs of its nodes.
         partials: its nodes that sums outside it read: the part of a gradient
             it adds to the other parts (empty for a whole component).
+        pieces: for an early component whose loss terms meet in sums of
+            gradients and become ready at different points, its nodes in
+            pieces: each term's part, then the rest (the sums and what
+            follows them), in launch order; empty otherwise.
+        piece_ready: the ready point of each piece.
     """
 
     nodes: tuple[str, ...]
@@ -107,6 +116,8 @@ class Component:
     grad_outputs: tuple[tuple[int, str], ...]
     flops: int
     partials: tuple[str, ...] = ()
+    pieces: tuple[tuple[str, ...], ...] = ()
+    piece_ready: tuple[str, ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -238,7 +249,7 @@ def find_stop_gradient_blocks(
     for comp in components:
         reason, detail, node = _reject_reason(comp, by_name, latest, position)
         if reason is None:
-            early.append(comp)
+            early.append(_in_pieces(comp, by_name, seeds, describe, latest, position) or comp)
             continue
         split = None
         if reason in (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS):
@@ -440,6 +451,44 @@ def split_at_sums(
     return described, describe(rest), sums, len(pieces)
 
 
+def _in_pieces(
+    comp: Component,
+    by_name: dict[str, fx.Node],
+    seeds: set[fx.Node],
+    describe: Callable[[set[fx.Node]], Component],
+    latest: int,
+    position: dict[fx.Node, int],
+) -> Component | None:
+    """An early component cut into pieces that launch at their own ready points, or None.
+
+    Its loss terms' parts (`split_at_sums`) run as soon as each is ready,
+    and the rest after the last of them, all on the block's stream. Only
+    when every part could run early on its own, they become ready at two
+    points at least, and the rest mutates nothing and is linear in the parts
+    (with seed ``s`` the rest reads the parts' values at seed ``s``).
+    """
+    split = split_at_sums(comp, by_name, seeds, describe)
+    if split is None:
+        return None
+    parts, rest, _, _ = split
+    if any(_reject_reason(part, by_name, latest, position)[0] is not None for part in parts):
+        return None
+    if len({part.ready_after for part in parts}) < 2:
+        return None
+    tangent = by_name[comp.tangents[0]]
+    dependent = {tangent} | seeds | {by_name[n] for part in parts for n in part.nodes}
+    dependent |= {by_name[n] for n in rest.nodes}
+    for name in rest.nodes + rest.helpers:
+        if _mutates(by_name[name]):
+            return None
+    if any(linearity_violation(by_name[name], dependent) is not None for name in rest.nodes):
+        return None
+    parts.sort(key=lambda part: position[by_name[part.ready_after]])
+    return dataclasses.replace(
+        comp, pieces=(*(part.nodes for part in parts), rest.nodes),
+        piece_ready=(*(part.ready_after for part in parts), rest.ready_after))
+
+
 def _sums_text(sums: list[fx.Node], comp: Component, primal_label: list[str]) -> str:
     grad_of = {name: primal_label[i] for i, name in comp.grad_outputs}
     return ", ".join(f"of {grad_of[s.name]}" if s.name in grad_of else f"at {s.name}"
@@ -508,6 +557,10 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
                 raise GraphInvariantError(
                     PASS_NAME, "a block's nodes may be read outside it only as gradients (by "
                     "the output) or as gradient parts (by sums)", node=name)
+        if comp.pieces and (sorted(n for piece in comp.pieces for n in piece)
+                            != sorted(comp.nodes) or len(comp.piece_ready) != len(comp.pieces)):
+            raise GraphInvariantError(PASS_NAME, "a block's pieces must split its nodes",
+                                      node=comp.nodes[0])
         ready = by_name[comp.ready_after]
         if is_tangent(ready) or ready.name in seen:
             raise GraphInvariantError(PASS_NAME, "ready point is not a forward node",

@@ -45,6 +45,9 @@ class NodeMeta:
         after_join: a main-stream node that reads side-stream values (the sum
             of the local losses): it runs after the main stream has waited
             for the side streams.
+        piece: for a block cloned in pieces (`Component.pieces`), which piece
+            the node belongs to; each piece launches at its own ready point,
+            on the block's stream, after the pieces before it.
     """
 
     role: Role
@@ -53,6 +56,7 @@ class NodeMeta:
     stream: int | None = None
     waits_for: tuple[str, ...] = ()
     after_join: bool = False
+    piece: int | None = None
 
 
 def get_meta(node: fx.Node) -> NodeMeta | None:

@@ -90,10 +90,10 @@ def schedule_early_backward(
         tangent = by_name[block.tangent]
         tangent_val = val_of(tangent)
         to_clone = set(comp.seeds) | set(comp.helpers) | set(comp.nodes)
-        ordered = [n for n in graph.nodes if n.name in to_clone]  # graph order is topological
         early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id)
+        pieces = _pieces(comp, by_name, to_clone)
 
-        with graph.inserting_after(by_name[comp.ready_after]):
+        with graph.inserting_after(by_name[pieces[0][0]]):
             seed = call_with_val(
                 graph,
                 aten.full.default,
@@ -106,12 +106,20 @@ def schedule_early_backward(
 
         env: dict[fx.Node, fx.Node] = {tangent: seed}
         last = seed
-        for node in ordered:
-            with graph.inserting_after(last):
-                clone = graph.node_copy(node, lambda a: env.get(a, a))
-            _tag_forward(clone, early_meta)
-            env[node] = clone
-            last = clone
+        for index, (ready, members) in enumerate(pieces):
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if order[by_name[ready]] > order[last]:
+                last = by_name[ready]
+            meta = (early_meta if len(pieces) == 1
+                    else dataclasses.replace(early_meta, piece=index))
+            if index == 0:
+                set_meta(seed, meta)
+            for node in [n for n in graph.nodes if n in members]:  # graph order: topological
+                with graph.inserting_after(last):
+                    clone = graph.node_copy(node, lambda a: env.get(a, a))
+                _tag_forward(clone, meta)
+                env[node] = clone
+                last = clone
 
         for name in comp.partials:
             # the sums in the backward read T / s * the early part instead
@@ -129,7 +137,8 @@ def schedule_early_backward(
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
                 early_grad = env[by_name[grad_name]]
-                set_meta(early_grad, dataclasses.replace(early_meta, grad_of=primal_index))
+                set_meta(early_grad,
+                         dataclasses.replace(get_meta(early_grad), grad_of=primal_index))
                 scale = _loss_grad_scale(graph, tangent, val_of(early_grad).dtype, cfg.seed,
                                          fake_mode)
                 scaled = call_with_val(graph, aten.mul.Tensor, (early_grad, scale),
@@ -143,6 +152,32 @@ def schedule_early_backward(
     new_gm.recompile()
     check_early_schedule(new_gm, analysis)
     return PassResult(new_gm, modified=True)
+
+
+def _pieces(comp, by_name: dict[str, fx.Node],
+            to_clone: set[str]) -> list[tuple[str, set[fx.Node]]]:
+    """(ready point, nodes to clone) of each piece of a block, in launch order.
+
+    A block cloned whole is one piece. A block in pieces clones each piece's
+    nodes after that piece's ready point, with the seeds and helpers it is
+    the first to need.
+    """
+    if not comp.pieces:
+        return [(comp.ready_after, {by_name[n] for n in to_clone})]
+    shared = {by_name[n] for n in comp.seeds + comp.helpers}
+    taken: set[fx.Node] = set()
+    pieces = []
+    for ready, names in zip(comp.piece_ready, comp.pieces):
+        members = {by_name[n] for n in names}
+        stack = [a for n in members for a in n.all_input_nodes]
+        while stack:
+            arg = stack.pop()
+            if arg in shared and arg not in taken and arg not in members:
+                members.add(arg)
+                stack.extend(arg.all_input_nodes)
+        taken |= members
+        pieces.append((ready, members))
+    return pieces
 
 
 def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:

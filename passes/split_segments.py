@@ -8,8 +8,10 @@ segments in launch order, plus a `Segment` record for each.
 Order: main-stream nodes keep their order; each block's nodes (its head,
 local loss and early backward) form one segment, launched right after the
 main segment that ends with the block's launch point (the last main node it
-reads); main nodes that run after the join (the loss sum) form the last
-segment. So the main stream is cut only where a block becomes ready::
+reads); a block in pieces (``NodeMeta.piece``) launches a segment per piece,
+each at its own launch point and never before the piece before it (one
+stream runs them in order); main nodes that run after the join (the loss
+sum) form the last segment. So the main stream is cut only where a block becomes ready::
 
     seg_0_stream_0              stage 0 forward
     seg_1_block_0_stream_1      head 0, loss 0, block 0's backward   (side stream 1)
@@ -79,16 +81,23 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
     del cfg
     ordered = _launch_order(gm)
     reordered = rebuild_in_order(gm, ordered)
+    piece_of = pieces_of_side_nodes(list(reordered.graph.nodes))
+    pieced: dict[int | None, bool] = {}
+    for node, piece in piece_of.items():
+        block = get_meta(node).block
+        pieced[block] = pieced.get(block, False) or piece > 0
 
     key_of: dict[str, str] = {}
-    segment_of_key: dict[str, tuple[int, int | None, bool]] = {}
+    segment_of_key: dict[str, tuple[int, int | None, bool, int | None]] = {}
     index = -1
     previous = None
     for node in reordered.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         meta = get_meta(node)
-        group = (meta.stream, meta.block if meta.stream != MAIN_STREAM else None, meta.after_join)
+        side = meta.stream != MAIN_STREAM
+        group = (meta.stream, meta.block if side else None, meta.after_join,
+                 piece_of.get(node) if side and pieced.get(meta.block) else None)
         if group != previous:
             index += 1
             previous = group
@@ -107,17 +116,39 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
     return result
 
 
+def pieces_of_side_nodes(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """The piece of each side-stream node: its own (`NodeMeta.piece`), else the first piece
+    that reads it (a block's head runs with the first piece that needs it), else the last
+    piece it reads, else 0; and never before a piece it reads (the partitioner's CSE may
+    share a node between pieces)."""
+    piece: dict[fx.Node, int | None] = {}
+    for node in reversed(nodes):
+        meta = get_meta(node)
+        if node.op == "output" or meta.stream == MAIN_STREAM:
+            continue
+        readers = [piece[u] for u in node.users if piece.get(u) is not None]
+        piece[node] = meta.piece if meta.piece is not None else min(readers, default=None)
+    for node in nodes:
+        if node in piece:
+            inputs = [piece[a] for a in node.all_input_nodes if a in piece]
+            piece[node] = max([p for p in (piece[node], *inputs) if p is not None], default=0)
+    return piece
+
+
 def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
-    """Main nodes in order; each block's nodes right after its launch point; after-join nodes last."""
+    """Main nodes in order; each block's nodes (each piece of a block in pieces) right after
+    its launch point; after-join nodes last."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    block_nodes: dict[int, list[fx.Node]] = {}
-    launch_after: dict[int, int] = {}
+    piece_of = pieces_of_side_nodes(nodes)
+    block_nodes: dict[tuple[int, int], list[fx.Node]] = {}
+    launch_after: dict[tuple[int, int], int] = {}
     for node in nodes:
         meta = get_meta(node)
         if node.op == "output" or meta.stream == MAIN_STREAM:
             continue
-        block_nodes.setdefault(meta.block, []).append(node)
+        key = (meta.block, piece_of[node])
+        block_nodes.setdefault(key, []).append(node)
         # NB: a block that reads only graph inputs launches before any forward node.
         main_inputs = [a for a in node.all_input_nodes
                        if a.op != "placeholder" and get_meta(a).stream == MAIN_STREAM]
@@ -125,9 +156,14 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
             raise GraphInvariantError(PASS_NAME, "a side node reads an after-join value",
                                       node=node.name)
         launch = max((position[a] for a in main_inputs), default=-1)
-        launch_after[meta.block] = max(launch_after.get(meta.block, -1), launch)
+        launch_after[key] = max(launch_after.get(key, -1), launch)
+    # NB: a block's pieces launch in order: one stream runs them one after another
+    for block, piece in sorted(block_nodes):
+        if piece > 0 and (block, piece - 1) in launch_after:
+            launch_after[(block, piece)] = max(launch_after[(block, piece)],
+                                               launch_after[(block, piece - 1)])
 
-    launches: dict[int, list[int]] = {}
+    launches: dict[int, list[tuple[int, int]]] = {}
     for block in sorted(block_nodes):
         launches.setdefault(launch_after[block], []).append(block)
     ordered = [n for n in nodes if n.op == "placeholder"]
@@ -163,7 +199,7 @@ def _is_element(node: fx.Node) -> bool:
 
 
 def _name_and_box_segments(
-    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None, bool]]
+    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None, bool, int | None]]
 ) -> tuple[Segment, ...]:
     """Give segments greppable names and make each return a tuple."""
     graph = split.graph
@@ -171,9 +207,10 @@ def _name_and_box_segments(
     segments: list[Segment] = []
     for k, call in enumerate([n for n in graph.nodes if n.op == "call_module"]):
         key = str(call.target).removeprefix("submod_")
-        stream, block, after_join = segment_of_key[key]
+        stream, block, after_join, piece = segment_of_key[key]
         if block is not None:
-            name = f"seg_{k}_block_{block}_stream_{stream}"
+            part = f"_piece_{piece}" if piece is not None else ""
+            name = f"seg_{k}_block_{block}{part}_stream_{stream}"
         else:
             name = f"seg_{k}_stream_{stream}" + ("_after_join" if after_join else "")
         sub = getattr(split, call.target)

@@ -102,6 +102,37 @@ class TwoBlockRegularized(TwoBlock):
         return local + F.cross_entropy(out, y.argmax(-1)) + 1e-2 * out.pow(2).mean()
 
 
+class TowersWithTop(Towers):
+    """Towers over a shared front, each with its loss, and a top model over the detached
+    tower outputs (the last block): the towers' backward runs early, each tower's part as
+    soon as that tower is ready."""
+
+    def __init__(self, towers: int = 3, d: int = 16, classes: int = 5):
+        super().__init__(towers, d, classes)
+        self.top = nn.Linear(towers * classes, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shared = self.front(x)
+        outputs = [tower(shared) for tower in self.towers]
+        losses = [F.cross_entropy(out, labels) for out in outputs]
+        top = self.top(torch.cat([out.detach() for out in outputs], dim=1))
+        return sum(losses) + F.cross_entropy(top, labels)
+
+
+class TowersInterleaved(TowersWithTop):
+    """TowersWithTop computing each tower's loss right after the tower: the towers' parts
+    become ready one after another, during the forward."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shared = self.front(x)
+        outputs, loss = [], 0
+        for tower in self.towers:
+            outputs.append(tower(shared))
+            loss = loss + F.cross_entropy(outputs[-1], labels)
+        top = self.top(torch.cat([out.detach() for out in outputs], dim=1))
+        return loss + F.cross_entropy(top, labels)
+
+
 class TwoBlockTwoOutputs(TwoBlock):
     """Returns (loss, logits): two tangents; block 1's backward reads only the loss's."""
 

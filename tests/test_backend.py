@@ -16,6 +16,8 @@ from graphs import (
     GraphBreakChain,
     TwoBlock,
     Towers,
+    TowersInterleaved,
+    TowersWithTop,
     TwoBlockNoDetach,
     TwoBlockOneLoss,
     TwoBlockSharedLayer,
@@ -225,3 +227,15 @@ def test_graph_break_compiles_each_graph_with_its_own_blocks():
     assert len(reports) == 2
     # stages 0-1 in graph 0 (stage 1 is its last block), stages 2-3 in graph 1
     assert [len(r.blocks) for r in reports] == [1, 1]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("model", [TowersWithTop, TowersInterleaved])
+def test_a_block_in_pieces_equals_eager(inner, model):
+    """Towers under a top model: one early block, launched in pieces (each tower's part,
+    then the shared front's backward)."""
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if inner == "inductor" else {"rtol": 0, "atol": 0}
+    (report,) = reports_of(lambda: check_parity(model(3), chain_inputs, steps=2,
+                                                options={"inner": inner}, **tolerance))
+    assert [b.pieces for b in report.blocks] == [4]
+    assert [r.reason for r in report.rejected] == ["last_block"]

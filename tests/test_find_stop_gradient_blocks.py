@@ -15,6 +15,7 @@ from graphs import (
     TwoBlock,
     SharedLayerClipped,
     Towers,
+    TowersInterleaved,
     TwoBlockNoDetach,
     TwoBlockOneLoss,
     TwoBlockRegularized,
@@ -281,3 +282,24 @@ def test_check_block_analysis_catches_a_part_handed_out_unannounced():
     broken = dataclasses.replace(analysis, blocks=(hidden, *analysis.blocks[1:]))
     with pytest.raises(GraphInvariantError, match="read outside it only"):
         check_block_analysis(joint.gm, broken)
+
+
+def test_an_early_component_whose_loss_terms_are_ready_apart_is_cut_in_pieces():
+    joint = trace_joint(TowersInterleaved(3), *chain_inputs())
+    (block,) = analyse(joint).blocks
+    comp = block.component
+    assert len(comp.pieces) == len(comp.piece_ready) == 4
+    assert sorted(n for piece in comp.pieces for n in piece) == sorted(comp.nodes)
+    position = {n.name: i for i, n in enumerate(joint.gm.graph.nodes)}
+    ready = [position[r] for r in comp.piece_ready[:3]]
+    assert ready == sorted(ready) and len(set(ready)) == 3  # each tower's own ready point
+    # the rest adds the parts up: it reads them, they never read it
+    rest = set(comp.pieces[-1])
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    for piece in comp.pieces[:-1]:
+        assert not any(a.name in rest for n in piece for a in by_name[n].all_input_nodes)
+    # a whole block: no parts handed to the backward
+    assert comp.partials == ()
+    # a chain's blocks are whole
+    assert all(not b.component.pieces for b in analyse(trace_joint(Chain(3),
+                                                                    *chain_inputs())).blocks)

@@ -10,6 +10,7 @@ from graphs import (
     Chain,
     Stages,
     Towers,
+    TowersInterleaved,
     TwoBlock,
     assert_outputs_close,
     chain_inputs,
@@ -162,3 +163,24 @@ def test_check_early_schedule_catches_an_unscaled_part():
     part.args = (part.args[0], 1.0)
     with pytest.raises(GraphInvariantError, match="unscaled or unread"):
         check_early_schedule(gm, stages.analysis)
+
+
+def test_a_block_in_pieces_clones_each_piece_after_its_ready_point():
+    stages = Stages(TowersInterleaved(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm = stages.scheduled.gm
+    (block,) = stages.analysis.blocks
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    clones = early_nodes(gm)
+    pieces = [[n for n in clones if get_meta(n).piece == k] for k in range(4)]
+    assert all(pieces) and sum(map(len, pieces)) == len(clones)
+    for k, ready in enumerate(block.component.piece_ready):
+        first = min(position[n] for n in pieces[k])
+        assert first > position[by_name[ready]]
+        if k:
+            assert first > max(position[n] for n in pieces[k - 1])
+    for _ in range(2):
+        values = real_values(stages.joint.gm)
+        values["tangents_1"] = torch.randn(())
+        assert_outputs_close(run_joint(gm, values), run_joint(stages.joint.gm, values))

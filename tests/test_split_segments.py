@@ -5,7 +5,16 @@ import pytest
 
 from erase_fx.config import EraseConfig
 from erase_fx.passes import MAIN_STREAM
-from graphs import Chain, Stages, TwoBlock, assert_outputs_close, chain_inputs, real_values, two_block_inputs
+from graphs import (
+    Chain,
+    Stages,
+    TowersInterleaved,
+    TwoBlock,
+    assert_outputs_close,
+    chain_inputs,
+    real_values,
+    two_block_inputs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,8 @@ def test_every_segment_returns_a_tuple(chain):
         assert isinstance(out.args[0], tuple)
 
 
-@pytest.mark.parametrize("model, inputs", [(Chain(3), chain_inputs), (TwoBlock(), two_block_inputs)])
+@pytest.mark.parametrize("model, inputs", [(Chain(3), chain_inputs), (TwoBlock(), two_block_inputs),
+                                           (TowersInterleaved(3), chain_inputs)])
 def test_split_module_computes_what_the_forward_computes(model, inputs):
     stages = Stages(model, inputs(), EraseConfig(inner="aot_eager"))
     for _ in range(2):
@@ -55,3 +65,18 @@ def test_nodes_are_partitioned_exactly_once(chain):
     fw_nodes = {n.name for n in chain.assigned.gm.graph.nodes if n.op not in ("placeholder", "output")}
     in_segments = [name for s in chain.segmented.segments for name in s.nodes]
     assert len(in_segments) == len(fw_nodes)
+
+
+def test_a_block_in_pieces_launches_each_piece_when_it_is_ready_on_one_stream():
+    stages = Stages(TowersInterleaved(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    (block,) = stages.analysis.blocks
+    assert len(block.component.pieces) == 4  # three towers' parts, then their sum's backward
+    segments = stages.segmented.segments
+    # each tower's part right after that tower's forward; the rest after the last part
+    assert [(s.stream, s.block) for s in segments] == [
+        (0, None), (1, 0), (0, None), (1, 0), (0, None), (1, 0), (1, 0), (0, None), (0, None)]
+    assert [re.sub(r"seg_\d+_", "", s.name) for s in segments if s.block is not None] == [
+        f"block_0_piece_{k}_stream_1" for k in range(4)]
+    # one stream orders the pieces: no piece waits for another
+    pieces = {s.name for s in segments if s.block is not None}
+    assert not any(set(s.waits_for) & pieces for s in segments if s.block is not None)
