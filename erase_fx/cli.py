@@ -49,7 +49,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import erase_fx
-from erase_fx.errors import EraseOptionError
+from erase_fx.errors import EraseError, EraseOptionError
 from erase_fx.instruments import pydot_available
 from erase_fx.report import GraphReport
 from erase_fx.report_text import first_names, format_report
@@ -312,6 +312,9 @@ def _dispatch(argv: list[str]) -> int:
     except UsageError as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except EraseError as error:
+        print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 @contextlib.contextmanager

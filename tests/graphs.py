@@ -458,3 +458,16 @@ class Stages:
         )
         self.assigned = assign_streams(self.fw, cfg)
         self.segmented = split_segments(self.assigned.gm, cfg)
+
+
+class EagerOnly(nn.Module):
+    """A forward Dynamo never compiles."""
+
+    @torch._dynamo.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum()
+
+
+def eager_only_factory() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """For ``erase-fx explain graphs:eager_only_factory``: nothing to compile."""
+    return EagerOnly(), (torch.randn(3, requires_grad=True),)

@@ -65,3 +65,24 @@ def test_the_table_counts_each_blocks_parts_of_shared_gradients():
     assert any(row[:2] == ["joins_blocks", "2"] for row in rows)
     (plain,) = erase_fx.explain(Chain(3), *chain_inputs())
     assert "part" not in format_report(plain).split("(#params")[0]
+
+
+def test_explain_compiles_each_call_past_dynamos_recompile_limit():
+    # each call compiles one more version of Chain.forward; Dynamo's default limit is 8
+    for stages in range(2, 13):
+        (report,) = erase_fx.explain(Chain(stages), *chain_inputs())
+        assert len(report.blocks) == stages - 1
+
+
+def test_explain_of_a_forward_dynamo_does_not_compile_raises(capsys):
+    from erase_fx import cli
+    from graphs import eager_only_factory
+
+    with pytest.raises(erase_fx.EraseError, match="produced no graph"):
+        erase_fx.explain(*eager_only_factory()[:1], *eager_only_factory()[1])
+    # the command says so in one line, exit status 1
+    assert cli.main(["explain", "graphs:eager_only_factory"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["erase-fx explain: [erase_fx: explain] torch.compile produced no graph for "
+                   "this model: Dynamo ran its forward eagerly. Fix: see why with "
+                   "TORCH_LOGS=graph_breaks,recompiles"]
