@@ -4,7 +4,8 @@
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
 #   bash bench/device_run.sh towers    bench.run and a race stress on towers over a shared front
-#                                      (the early parts of gradients summed in the backward)
+#                                      (the early parts of gradients summed in the backward; with
+#                                      a top head, one early block in pieces)
 #   bash bench/device_run.sh paper-ctr-a  the CTR experiment (full preset: every variant, 1000
 #                                          steps), seeds 0-2 (~7 min)
 #   bash bench/device_run.sh paper-ctr-b  the same, seeds 3-4 (~5 min)
@@ -46,8 +47,8 @@ case "$1" in
       --stress-steps 300 --configs mlp-towers:512:1024:2048:6 --variants inductor+graph \
       --trials 1 | tee "$OUT/check_cuda-towers.log" || true
     python3 -m bench.run --budget-s 330 --out "$OUT/bench-towers.json" --streams '' \
-      --configs ctr-towers:4096:1024:2048:6,mlp-towers:512:1024:2048:6 \
-      --sweep-configs ctr-towers:4096:1024:2048:6,mlp-towers:512:1024:2048:6 ;;
+      --configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 \
+      --sweep-configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 ;;
   paper-ctr-a)
     timeout 580 python3 -m bench.paper.ctr --seed 0 --seeds 3 --budget-s 480 \
       --name ctr-seeds-0-2 --results-dir "$OUT/paper/parts" ;;

@@ -15,7 +15,10 @@ detached; the loss is the sum of the local losses. A front end feeds stage 0
 the shared front instead: every tower reads the front's output (nothing is
 detached), so the towers' backwards meet in the sum of the front output's
 gradients; erase_fx runs each tower's part early but the last, and the
-front's backward after the sum.
+front's backward after the sum. ``ctr-towers-top`` and ``mlp-towers-top``
+add a top head over the detached tower outputs (the last block): then the
+towers' backward and the front's run early as one block in pieces, each
+tower's part as soon as that tower is ready.
 
 A config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
 """
@@ -34,7 +37,7 @@ CTR_EMBED = 64
 
 
 #: Config kinds: the data and front (ctr, mlp), as a chain or as towers.
-KINDS = ("ctr", "mlp", "ctr-towers", "mlp-towers")
+KINDS = ("ctr", "mlp", "ctr-towers", "mlp-towers", "ctr-towers-top", "mlp-towers-top")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +59,17 @@ class ChainConfig:
     @property
     def data(self) -> str:
         """``ctr`` or ``mlp``: the inputs, front and heads."""
-        return self.kind.removesuffix("-towers")
+        return self.kind.split("-")[0]
 
     @property
     def towers(self) -> bool:
         """Stages as towers over the shared front (else a detached chain)."""
-        return self.kind.endswith("-towers")
+        return "-towers" in self.kind
+
+    @property
+    def top(self) -> bool:
+        """A top head over the detached tower outputs."""
+        return self.kind.endswith("-top")
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.batch}:{self.d}:{self.h}:{self.stages}"
@@ -111,6 +119,7 @@ class DetachedChain(nn.Module):
         out = 1 if cfg.data == "ctr" else 10
         self.stages = nn.ModuleList(Stage(cfg.d, cfg.h) for _ in range(cfg.stages))
         self.heads = nn.ModuleList(nn.Linear(cfg.d, out) for _ in range(cfg.stages))
+        self.top = nn.Linear(cfg.stages * cfg.d, out) if cfg.top else None
 
     def local_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.cfg.data == "ctr":
@@ -120,13 +129,17 @@ class DetachedChain(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         *features, labels = inputs
         front = h = self.front(*features)
-        loss = None
+        loss, outputs = None, []
         for stage, head in zip(self.stages, self.heads):
             h = stage(front if self.cfg.towers else h)
             local = self.local_loss(head(h), labels)
             loss = local if loss is None else loss + local
             if self.detach:
                 h = h.detach()
+            if self.top is not None:
+                outputs.append(h.detach())
+        if self.top is not None:
+            loss = loss + self.local_loss(self.top(torch.cat(outputs, dim=1)), labels)
         return loss
 
 

@@ -235,8 +235,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="kind:B:d:h:K, comma-separated, kind one of ctr, mlp (detached "
-                             "chains), ctr-towers, mlp-towers (towers over a shared front; "
-                             "default: the five chains of the issue)")
+                             "chains), ctr-towers, mlp-towers (towers over a shared front), "
+                             "ctr-towers-top, mlp-towers-top (and a top head over the detached "
+                             "towers; default: the five chains of the issue)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--streams", default="1,2,8",
                         help="extra erase+graphs rows with these side-stream counts ('' for "

@@ -75,3 +75,18 @@ def test_towers_configs_share_the_front_and_run_all_towers_but_the_last_early():
     assert report.rejected[1].params == ("front.weight", "front.bias")
     with pytest.raises(ValueError, match="kind one of ctr, mlp, ctr-towers, mlp-towers"):
         ChainConfig.parse("towers:8:16:32:3")
+
+
+def test_towers_under_a_top_head_run_early_in_pieces():
+    import erase_fx
+    from bench.models import ChainConfig, DetachedChain, make_inputs
+    from graphs import check_parity
+
+    cfg = ChainConfig.parse("mlp-towers-top:8:16:32:3")
+    assert (cfg.data, cfg.towers, cfg.top) == ("mlp", True, True)
+    with erase_fx.collect_reports() as reports:
+        check_parity(DetachedChain(cfg), lambda: make_inputs(cfg, torch.device("cpu")),
+                     rtol=0, atol=0)
+    (report,) = reports
+    assert [b.pieces for b in report.blocks] == [4]  # three towers' parts, then the front
+    assert [r.params for r in report.rejected] == [("top.weight", "top.bias")]
