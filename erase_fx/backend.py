@@ -2,25 +2,40 @@
 
 ``torch.compile(model, backend="erase", options={...})`` calls
 `erase_backend` once per graph Dynamo captures (the ``torch_dynamo_backends``
-entry point makes the name known after ``pip install``). It builds an
-AOTAutograd backend whose partition function and compilers are those of a
-`GraphCompilation`, and returns the compiled callable.
+entry point makes the name known after ``pip install``). A `GraphCompilation`
+holds erase_fx's callbacks for that graph, and they plug in where the stock
+path has its own:
+
+- ``inner="inductor"`` (the default): stock Inductor's ``compile_fx``, with
+  erase_fx as its custom partitioner and its inner compiler. Inductor's own
+  passes, decompositions and layout choices stay as they are, so a graph
+  with nothing to schedule compiles kernel for kernel as
+  ``torch.compile(model)``.
+- ``"aot_eager"``, ``"eager"``: AOTAutograd, built as torch's ``aot_eager``
+  backend is, with erase_fx's partition function and compilers.
+
+Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
+or a stock pass that erase_fx's presence upset) compiles the graph with the
+stock backend instead, with the reason logged and in the report.
 
 NB: torch's ``aot_autograd(...)`` object drops keyword arguments it is called
 with, so ``options`` would be lost if it were registered directly; this plain
-function takes them and builds ``aot_autograd`` itself.
+function takes them and builds the backend itself.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from erase_fx import passes
 from erase_fx.compilation import GraphCompilation, input_names
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
@@ -49,20 +64,117 @@ def erase_backend(
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm))
-    backend = aot_autograd(
-        fw_compiler=compilation.compile_forward,
-        bw_compiler=compilation.compile_backward,
-        inference_compiler=compilation.compile_inference,
-        partition_fn=compilation.partition,
-        decompositions=decompositions_for(cfg.inner),
-        keep_inference_input_mutations=True,
-    )
-    compiled = backend(gm, example_inputs)
+    # NB: stock compilers take ownership of the graph they compile and may
+    # change it; the fallback compiles an untouched copy.
+    original = copy_graph_module(gm) if cfg.on_error == "fallback" else None
+    try:
+        if cfg.inner == "inductor":
+            compiled = _compile_in_stock_inductor(gm, example_inputs, compilation)
+        else:
+            compiled = _compile_in_aot_autograd(gm, example_inputs, compilation)
+    except Exception as error:  # noqa: BLE001 - the documented fallback
+        if original is None or isinstance(error, _NOT_FAILURES):
+            raise
+        compilation.fall_back_whole(error)
+        compiled = stock_backend(cfg.inner)(original, example_inputs)
     report = compilation.finish()
     publish(report)
     if not compilation.has_early_blocks:
         return compiled
     return _guarded(compiled, compilation)
+
+
+def _compile_in_stock_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], compilation: GraphCompilation
+) -> Any:
+    """Stock ``compile_fx``, with erase_fx as its partitioner and inner compiler.
+
+    Everything stock Inductor does around them stays as it is: pre-grad
+    passes, decompositions, joint-graph passes (random ops, pattern matching)
+    in its own fake mode, layout choices, post-grad passes. So a graph with no
+    early block compiles exactly as ``torch.compile(model)`` compiles it.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    # NB: AOTAutograd's cache stores stock Inductor's compiled code only; a
+    # multi-stream program is not that, so erase's graphs are not cached
+    # there (Inductor's per-graph FX cache still serves each segment).
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm, example_inputs, inner_compile=compilation.inner_compile,
+            config_patches={"custom_partitioner_fn": ErasePartitioner(compilation)},
+        )
+
+
+def _compile_in_aot_autograd(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], compilation: GraphCompilation
+) -> Any:
+    """AOTAutograd with erase_fx's callbacks, as torch's ``aot_eager`` backend is built."""
+    backend = aot_autograd(
+        fw_compiler=compilation.compile_forward,
+        bw_compiler=compilation.compile_backward,
+        inference_compiler=compilation.compile_inference,
+        partition_fn=compilation.partition,
+        decompositions=decompositions_for(compilation.cfg.inner),
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)
+
+
+class ErasePartitioner(CustomPartitionerFn):
+    """erase_fx's partitioner as stock Inductor takes one (``config.custom_partitioner_fn``)."""
+
+    def __init__(self, compilation: GraphCompilation):
+        self.compilation = compilation
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
+                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return self.compilation.partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        # NB: part of Inductor's cache keys: erase_fx's own sources and settings
+        return (_SOURCES_HASH, repr(self.compilation.cfg))
+
+    # NB: Inductor copies and pickles its config to build cache keys; this
+    # object stands for its settings there, not for the compilation it holds.
+    def __deepcopy__(self, memo: dict) -> ErasePartitioner:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (str, (f"erase_fx.ErasePartitioner{self.uuid()!r}",))
+
+
+def stock_backend(inner: str) -> Any:
+    """The stock torch.compile backend erase_fx falls back to for an inner compiler."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("inductor" if inner == "inductor" else "aot_eager")
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be changed without touching ``gm``'s (modules shared)."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    clone = fx.GraphModule(gm, graph)
+    clone.meta.update(gm.meta)
+    return clone
+
+
+def _sources_hash() -> str:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    root = Path(__file__).resolve().parent
+    files = sorted(str(p) for folder in (root, root / "emit", Path(passes.__file__).parent)
+                   for p in folder.glob("*.py"))
+    return get_hash_for_files(tuple(files)).hex()
+
+
+_SOURCES_HASH = _sources_hash()
+#: Exceptions that are not failures of a compile but Dynamo's way of saying
+#: "skip this frame" or "stop": they pass through the fallback.
+_NOT_FAILURES: tuple[type[BaseException], ...] = (torch._dynamo.exc.SkipFrame,)
 
 
 def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:

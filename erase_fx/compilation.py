@@ -6,10 +6,15 @@ AOTAutograd calls back into `GraphCompilation` in this order: ``partition``
 gradient is needed. The passes run in pipeline order through a `PassRunner`,
 whose instruments time and dump them::
 
-    joint:   [stock joint passes] -> find_stop_gradient_blocks -> schedule_early_backward
-             -> partition_joint_graph
+    joint:   find_stop_gradient_blocks -> schedule_early_backward -> partition_joint_graph
     forward: assign_streams -> split_segments -> compile each segment -> StreamProgram
     backward: defer_grad_scaling -> compile -> ScaledBackward (scales early grads in place)
+
+With Inductor inside, these callbacks plug into stock Inductor's own
+``compile_fx`` (`erase_fx.backend`): ``partition`` is its custom partitioner
+(called after Inductor's pre-grad and joint-graph passes, in its fake mode)
+and ``inner_compile`` its inner compiler, so a graph with no early block is
+compiled exactly as ``torch.compile(model)`` compiles it.
 
 Failure policy (``cfg.on_error``): under ``"fallback"`` any error in
 erase_fx's own work is logged with its reason and the graph takes the stock
@@ -30,7 +35,8 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
-from erase_fx.emit.inner import cuda_device_of, example_inputs_of, run_stock_joint_passes
+from erase_fx.emit.inductor_segments import compile_inductor_segments
+from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
 from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
@@ -46,7 +52,7 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
-from erase_fx.report import GraphReport
+from erase_fx.report import GraphReport, revise
 
 log = logging.getLogger("erase_fx")
 
@@ -66,19 +72,24 @@ class GraphCompilation:
         self.bw_donates_buffers = False
         self.fw_metadata: Any = None
         self.graphed_forward: GraphedForward | None = None
+        self.finished = False
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
     def partition(
         self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        kwargs.pop("compiler", None)
+        """AOT's partition function (with Inductor: stock Inductor's custom partitioner).
+
+        With Inductor inside, stock ``compile_fx`` has already run its
+        joint-graph passes on ``joint``, in its own fake mode, as for
+        ``torch.compile(model)``.
+        """
         if isinstance(joint_inputs, (list, tuple)) and not joint_inputs:
             # NB: AOT also partitions nested-region (invoke_subgraph) joint
             # graphs, with no inputs: those keep the stock partitioner.
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
-        joint = run_stock_joint_passes(joint, self.cfg.inner)
         try:
             return self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
         except Exception as error:  # noqa: BLE001 - the documented fallback
@@ -87,42 +98,50 @@ class GraphCompilation:
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
 
-    def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                      **inductor_kwargs: Any) -> Any:
+        """Stock Inductor's inner compiler, for the forward, the backward and inference graphs."""
+        if inductor_kwargs.get("is_backward"):
+            return self.compile_backward(gm, example_inputs, **inductor_kwargs)
+        if inductor_kwargs.get("is_inference"):
+            return self.compile_inference(gm, example_inputs, **inductor_kwargs)
+        return self.compile_forward(gm, example_inputs, **inductor_kwargs)
+
+    def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
+                        **inductor_kwargs: Any) -> Any:
         self._note_forward_metadata()
         if not any(is_early(n) for n in fw.graph.nodes):
-            compiled = compile_graph(fw, example_inputs, self.cfg.inner)
+            compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         else:
             try:
-                compiled = self._compile_segments(fw, example_inputs)
+                compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
             except Exception as error:  # noqa: BLE001 - the documented fallback
                 self._fall_back("compile_forward", error, keep_schedule=True)
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner)
+                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         return self._maybe_graph_forward(compiled, example_inputs)
 
-    def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
+                         **inductor_kwargs: Any) -> Any:
         if self.dump is not None:
             self.runner.record("bwd", bw)
-        deferred = None
+        compiled = None
         if self.has_early_blocks:
             try:
-                deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw)
+                compiled = self._compile_scaled_backward(bw, example_inputs, inductor_kwargs)
             except Exception as error:  # noqa: BLE001 - the documented fallback
-                self._fall_back("defer_grad_scaling", error, keep_schedule=True)
-        if deferred is not None and deferred.modified:
-            compiled = ScaledBackward(
-                compile_graph(deferred.gm, example_inputs, self.cfg.inner, is_backward=True),
-                deferred.num_grads, deferred.scaled)
-        else:
-            compiled = compile_graph(bw, example_inputs, self.cfg.inner, is_backward=True)
+                self._fall_back("compile_backward", error, keep_schedule=True)
+        if compiled is None:
+            compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if self.graphed_forward is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
         return GraphedBackward(compiled, self.graphed_forward, num_saved,
                                name=f"graph {self.graph_id} backward")
 
-    def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                          **inductor_kwargs: Any) -> Any:
         self.report = self.report.with_fallback("inference graph: no backward to run early")
-        return compile_graph(gm, example_inputs, self.cfg.inner, is_inference=True)
+        return compile_graph(gm, example_inputs, self.cfg.inner, **inductor_kwargs)
 
     # -- the pipeline ---------------------------------------------------------
 
@@ -148,21 +167,44 @@ class GraphCompilation:
         self.has_early_blocks = True
         return fw, bw
 
-    def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any]) -> StreamProgram:
+    def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
+                          inductor_kwargs: dict[str, Any]) -> StreamProgram:
         run = self.runner.run
         assigned = run("assign_streams", assign_streams, fw, self.cfg)
         segmented = run("split_segments", split_segments, assigned.gm, self.cfg)
-        compiled = {
-            segment.name: compile_segment(
-                getattr(segmented.gm, segment.name),
-                example_inputs_of(getattr(segmented.gm, segment.name)),
-                self.cfg.inner,
-            )
-            for segment in segmented.segments
-        }
+        if self.cfg.inner == "inductor":
+            compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
+        else:
+            compiled = {
+                segment.name: compile_segment(
+                    getattr(segmented.gm, segment.name),
+                    example_inputs_of(getattr(segmented.gm, segment.name)),
+                    self.cfg.inner,
+                )
+                for segment in segmented.segments
+            }
         device = cuda_device_of(example_inputs)
-        streams = CudaStreams(device, self.cfg.streams) if device is not None else VirtualStreams()
+        if device is None or not self.cfg.overlap:
+            streams = VirtualStreams()
+        else:
+            streams = CudaStreams(device, self.cfg.streams)
         return StreamProgram.build(segmented, compiled, streams)
+
+    def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
+                                 inductor_kwargs: dict[str, Any]) -> Any:
+        """The backward returning early grads unscaled, scaled in place after it (or None)."""
+        deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw)
+        if not deferred.modified:
+            return None
+        if self.cfg.inner == "inductor":
+            from torch._inductor import config as inductor_config
+
+            # NB: as stock compile_fx_backward marks the gradients it returns
+            mark_outputs_user_visible(
+                deferred.gm, None if inductor_config.bw_outputs_user_visible else [])
+        return ScaledBackward(
+            compile_graph(deferred.gm, example_inputs, self.cfg.inner, **inductor_kwargs),
+            deferred.num_grads, deferred.scaled)
 
     # -- helpers --------------------------------------------------------------
 
@@ -188,16 +230,27 @@ class GraphCompilation:
                     "keep that block in the backward",
                 )
 
+    def fall_back_whole(self, error: Exception) -> None:
+        """The whole graph takes the stock backend (under ``on_error="fallback"``)."""
+        self.has_early_blocks = False
+        self.graphed_forward = None
+        self._fall_back("compile", error)
+
     def _fall_back(self, where: str, error: Exception, keep_schedule: bool = False) -> None:
         if self.cfg.on_error == "raise":
             raise error
         reason = f"{where} failed: {type(error).__name__}: {error}"
         log.warning("erase_fx graph %d takes the stock path: %s", self.graph_id, reason)
+        previous = self.report
         if keep_schedule:
             # The forward still computes the early grads, on one stream.
             self.report = dataclasses.replace(self.report, fallback_reason=reason)
         else:
             self.report = self.report.with_fallback(reason)
+        if self.finished:  # the backward compiles at the first .backward(), after finish()
+            revise(previous, self.report)
+            if self.dump is not None:
+                self.dump.write_report(self.report)
 
     def _primal_names(self, joint: fx.GraphModule) -> list[str]:
         names = []
@@ -238,6 +291,7 @@ class GraphCompilation:
         return self.graphed_forward
 
     def finish(self) -> GraphReport:
+        self.finished = True
         if self.dump is not None:
             self.dump.write_report(self.report)
         log.info("erase_fx %s (erase_fx passes took %.0f ms)", self.report.summary(),

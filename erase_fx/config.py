@@ -64,6 +64,11 @@ class EraseConfig:
             report, pass timings (``timings.json``) and schedule picture
             (``schedule.dot``) into (``graph_<n>/``; see `erase_fx.instruments`);
             ``ERASE_FX_DUMP`` sets it too. ``None`` writes nothing.
+        overlap: run each early block on its side stream (``True``, default),
+            or every segment on the main stream (``False``): the same
+            segments and kernels in the same order, without overlap. The
+            control that says what the overlap alone is worth; no effect on
+            CPU, where streams are virtual anyway.
         on_error: what a failure inside erase_fx does: ``"fallback"`` logs a
             warning with the reason and compiles the graph on the stock path
             (no early block, gradients still exact); ``"raise"`` raises the
@@ -79,6 +84,7 @@ class EraseConfig:
     seed: float = 1.0
     cudagraphs: bool | None = None
     dump_dir: str | None = None
+    overlap: bool = True
     on_error: str = "fallback"
 
     def __post_init__(self) -> None:
@@ -94,6 +100,7 @@ class EraseConfig:
             raise EraseOptionError("seed", self.seed, "a finite non-zero float")
         if self.cudagraphs is not None:
             _check_type("cudagraphs", self.cudagraphs, bool)
+        _check_type("overlap", self.overlap, bool)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")
 

@@ -195,3 +195,11 @@ def collect_reports() -> Iterator[list[GraphReport]]:
 def publish(report: GraphReport) -> None:
     for reports in _sinks.__dict__.get("stack", []):
         reports.append(report)
+
+
+def revise(old: GraphReport, new: GraphReport) -> None:
+    """Replace a published report (the backward, compiled at the first ``.backward()``, fell back)."""
+    for reports in _sinks.__dict__.get("stack", []):
+        for i, report in enumerate(reports):
+            if report is old:
+                reports[i] = new

@@ -43,7 +43,14 @@ STOCK_PARTITIONERS = {
 def stock_partition(
     gm: fx.GraphModule, joint_inputs: Any, cfg: EraseConfig, *, num_fwd_outputs: int, **kwargs: Any
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The partitioner erase_fx uses for the stock path (no early block)."""
+    """The partitioner erase_fx uses for the stock path (no early block).
+
+    ``kwargs`` are AOTAutograd's (``static_lifetime_input_indices``) and, under
+    stock Inductor, ``compiler="inductor"``, which min-cut's recomputation
+    choices depend on and the default partitioner does not take.
+    """
+    if cfg.partitioner != "min_cut":
+        kwargs.pop("compiler", None)
     return STOCK_PARTITIONERS[cfg.partitioner](
         gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
     )

@@ -4,11 +4,10 @@ Every compiled callable uses the boxed calling convention of AOTAutograd: it
 takes one list of arguments (which it may clear to free inputs early) and
 returns a tuple or list of outputs.
 
-- ``inductor``: ``compile_fx_inner``, one Inductor graph per segment. Each
-  segment compiles inside its own ``TracingContext.report_output_strides()``
-  (``compile_fx_inner`` reports into that list), and every segment output is
-  marked user-visible so Inductor gives it the strides of the FX graph: the
-  next segment and the backward were traced with those strides.
+- ``inductor``: ``compile_fx_inner``, called from stock Inductor's own
+  ``compile_fx`` (erase_fx is its inner compiler: see
+  `erase_fx.emit.inductor_route`); a forward with early blocks compiles
+  segment by segment (`erase_fx.emit.inductor_segments`).
 - ``aot_eager``: the graph's own FX code, as torch's ``aot_eager`` runs it.
 - ``eager``: ``torch.fx.Interpreter``, node by node: slow, but an error or a
   breakpoint points at the aten node.
@@ -37,56 +36,31 @@ def decompositions_for(inner: str) -> dict[Any, Any] | None:
     return None
 
 
-def run_stock_joint_passes(gm: fx.GraphModule, inner: str) -> fx.GraphModule:
-    """The joint-graph passes the stock path of this inner compiler runs (in place).
-
-    Inductor runs its pattern-matcher passes on the joint graph before
-    partitioning; erase_fx does the same, before its own analysis, so that
-    it analyses the graph that will be compiled.
-    """
-    if inner != "inductor":
-        return gm
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-
-    result = joint_graph_passes(gm)
-    return result if isinstance(result, fx.GraphModule) else gm
-
-
 def compile_graph(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    inner: str,
-    *,
-    is_backward: bool = False,
-    is_inference: bool = False,
+    gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, **inductor_kwargs: Any
 ) -> BoxedCallable:
-    """Compile a whole graph (the backward, an inference graph, a stock forward)."""
+    """Compile a whole graph: the backward, an inference graph, a forward with no early block.
+
+    ``inductor_kwargs`` are those stock Inductor's ``compile_fx`` passes to
+    its inner compiler (``static_input_idxs``, ``is_backward``,
+    ``is_inference``, ``cudagraphs``, ...); erase_fx passes them on
+    unchanged, so a graph it schedules nothing in compiles as stock.
+    """
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
-        kwargs: dict[str, Any] = {"is_backward": is_backward}
-        if is_inference:
-            kwargs["is_inference"] = True
-        _mark_outputs_user_visible(gm)
-        return compile_fx_inner(gm, list(example_inputs), **kwargs)
+        return compile_fx_inner(gm, list(example_inputs), **inductor_kwargs)
     return _compile_eagerly(gm, inner)
 
 
 def compile_segment(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> BoxedCallable:
-    """Compile one forward segment (a graph returning a tuple)."""
-    if inner == "inductor":
-        from torch._guards import TracingContext
-        from torch._inductor.compile_fx import compile_fx_inner
+    """Compile one forward segment with a non-Inductor inner compiler (a graph returning a tuple).
 
-        _mark_outputs_user_visible(gm)
-        # NB: AOT opened report_output_strides() for one forward compile and
-        # compile_fx_inner appends to it; each segment gets its own list, so
-        # the outer one stays empty and AOT keeps the FX strides for the
-        # backward (which the user-visible outputs above guarantee).
-        context = TracingContext.try_get()
-        scope = TracingContext.report_output_strides() if context else contextlib.nullcontext()
-        with scope:
-            return compile_fx_inner(gm, list(example_inputs))
+    Inductor segments are compiled together, by `compile_inductor_segments`,
+    which keeps the whole forward's layout decisions.
+    """
+    if inner == "inductor":
+        raise ValueError("Inductor segments are compiled by compile_inductor_segments")
     return _compile_eagerly(gm, inner)
 
 
@@ -102,11 +76,13 @@ def _compile_eagerly(gm: fx.GraphModule, inner: str) -> BoxedCallable:
     return make_boxed_func(gm.forward)
 
 
-def _mark_outputs_user_visible(gm: fx.GraphModule) -> None:
+def mark_outputs_user_visible(gm: fx.GraphModule, indices: Sequence[int] | None = None) -> None:
+    """Say which outputs Inductor must give the strides of the FX graph (default: all)."""
     out = output_node(gm.graph)
-    out.meta["user_visible_output_idxs"] = [
-        i for i, value in enumerate(output_values(gm.graph)) if isinstance(value, fx.Node)
-    ]
+    if indices is None:
+        indices = [i for i, value in enumerate(output_values(gm.graph))
+                   if isinstance(value, fx.Node)]
+    out.meta["user_visible_output_idxs"] = list(indices)
 
 
 def example_inputs_of(gm: fx.GraphModule) -> list[Any]:

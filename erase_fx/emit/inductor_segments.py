@@ -1,0 +1,154 @@
+"""Inductor segments that keep what Inductor decided for the whole forward.
+
+A forward with early blocks is split into per-stream segments
+(`erase_fx.passes.split_segments`), and each segment is one
+``compile_fx_inner`` call. Compiled one by one without care, the segments
+would each make decisions stock Inductor makes once for the whole forward,
+and lose to it (measured on torchvision conv nets: channels-last decided per
+segment, and every tensor crossing a boundary forced back to the strides of
+the FX graph, each a copy). So:
+
+- **One layout decision.** ``GraphLowering.decide_layout_opt`` is asked once,
+  about the whole forward, and every segment compiles with that answer
+  (``layout_opt=``), as the whole graph would have.
+- **Strides flow between segments.** Only the outputs stock Inductor keeps
+  at the FX graph's strides (the user-visible outputs of the forward) are
+  marked so in the segment that makes them. Every other segment output gets
+  the layout Inductor prefers; ``compile_fx_inner`` reports it
+  (``TracingContext.report_output_strides``), and each later segment that
+  reads the tensor is compiled for exactly those strides (its example input
+  re-strided to them). The forward's saved tensors are reported to
+  AOTAutograd in the same way a whole-graph compile reports them, so the
+  backward is compiled for the strides the forward really produces.
+- **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
+  the FX strides, the simple rule that needs no symbolic stride algebra.
+
+Inductor's generated code assumes the strides of its example inputs, so the
+strides a segment is compiled for must be those its producer makes: they are
+taken from the producer's own report, never guessed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from erase_fx.emit.inner import BoxedCallable, mark_outputs_user_visible
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes import SegmentedForward
+from erase_fx.passes.graph import output_node, output_values
+
+WHERE = "compile_inductor_segments"
+Stride = tuple[int, ...]
+
+
+def compile_inductor_segments(
+    segmented: SegmentedForward,
+    whole: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    inductor_kwargs: dict[str, Any],
+) -> dict[str, BoxedCallable]:
+    """Compile every segment of ``segmented`` with Inductor; see the module docstring.
+
+    Args:
+        segmented: the split forward.
+        whole: the forward before splitting, as stock Inductor received it
+            (its output node says which outputs are user-visible).
+        example_inputs: the forward's example inputs.
+        inductor_kwargs: what ``compile_fx`` passed for the whole forward
+            (``static_input_idxs``, ``graph_id``, ...).
+    """
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import BoxedBool
+
+    layout_opt = GraphLowering.decide_layout_opt(whole, is_inference=False)
+    top = segmented.gm.graph
+    input_index = {node: i for i, node in enumerate(top.find_nodes(op="placeholder"))}
+    static = set(inductor_kwargs.get("static_input_idxs") or ())
+    results = output_values(top)
+    visible = _user_visible_values(whole, results)
+    context = TracingContext.try_get()
+    keep_fx_strides = context is None or _has_symbols(example_inputs)
+
+    strides: dict[fx.Node, Stride | None] = {}
+    compiled: dict[str, BoxedCallable] = {}
+    for call in top.find_nodes(op="call_module"):
+        segment = getattr(segmented.gm, call.target)
+        inputs = _inputs_with_strides(segment, call.args, strides)
+        getitems = {user.args[1]: user for user in call.users}
+        mark_outputs_user_visible(segment, None if keep_fx_strides else sorted(
+            i for i, node in getitems.items() if node in visible))
+        with TracingContext.report_output_strides() as reported:
+            compiled[call.target] = compile_fx_inner(
+                segment, inputs,
+                static_input_idxs=[j for j, arg in enumerate(call.args)
+                                   if input_index.get(arg) in static],
+                # NB: Inductor's own CUDA graphs cannot capture a side stream's
+                # allocations; erase_fx captures the whole program instead.
+                cudagraphs=BoxedBool(False),
+                graph_id=inductor_kwargs.get("graph_id"),
+                layout_opt=layout_opt,
+            )
+        for i, node in getitems.items():
+            strides[node] = None if keep_fx_strides or node in visible else _reported_stride(
+                reported, i, call.target)
+    if context is not None and context.output_strides is not None:
+        context.output_strides.extend(
+            strides.get(value) if isinstance(value, fx.Node) else None for value in results)
+    return compiled
+
+
+def _user_visible_values(whole: fx.GraphModule, results: Sequence[Any]) -> set[Any]:
+    """The top-level values of the split module that stock Inductor keeps at FX strides."""
+    indices = output_node(whole.graph).meta.get("user_visible_output_idxs")
+    if indices is None:
+        indices = range(len(results))
+    return {results[i] for i in indices if i < len(results) and isinstance(results[i], fx.Node)}
+
+
+def _inputs_with_strides(
+    segment: fx.GraphModule, args: Sequence[Any], strides: dict[fx.Node, Stride | None]
+) -> list[Any]:
+    """The segment's example inputs, re-strided to what their producers really make."""
+    inputs = []
+    for node, arg in zip(segment.graph.find_nodes(op="placeholder"), args):
+        value = node.meta.get("val")
+        stride = strides.get(arg) if isinstance(arg, fx.Node) else None
+        if (stride is not None and isinstance(value, torch.Tensor)
+                and tuple(value.stride()) != stride):
+            value = _restrided(value, stride)
+            node.meta["val"] = value
+        inputs.append(value)
+    return inputs
+
+
+def _restrided(value: torch.Tensor, stride: Stride) -> torch.Tensor:
+    fake_mode = getattr(value, "fake_mode", None)
+    if fake_mode is None:
+        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    with fake_mode:
+        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+
+
+def _reported_stride(reported: Sequence[Any] | None, index: int, segment: str) -> Stride:
+    """The strides Inductor gave output ``index`` of a segment (static shapes: integers)."""
+    value = reported[index] if reported is not None and index < len(reported) else None
+    if value is None or not all(isinstance(s, int) for s in value):
+        raise GraphInvariantError(
+            WHERE, f"Inductor reported no static strides for output {index} of {segment}; "
+                   "its readers could not be compiled for them")
+    return tuple(value)
+
+
+def _has_symbols(example_inputs: Sequence[Any]) -> bool:
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())):
+            return True
+    return False

@@ -1,0 +1,202 @@
+"""With Inductor inside, erase_fx is stock Inductor wherever it schedules nothing.
+
+erase_fx plugs into stock ``compile_fx`` as its partitioner and inner
+compiler, so Inductor's own passes (pre-grad, joint-graph, post-grad), its
+decompositions and its layout choices run as they do for
+``torch.compile(model)``. These tests compare the code Inductor generates,
+not only gradients, and pin the random ops (dropout) that once failed in
+Inductor's joint-graph passes when erase_fx ran them itself, outside
+Inductor's fake mode.
+"""
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+
+import erase_fx
+from erase_fx.emit import inductor_segments
+from graphs import assert_same_grads
+
+RAISE = {"on_error": "raise"}
+
+
+class ConvNet(nn.Module):
+    """A small conv net in train mode: BatchNorm, dropout, one loss (nothing to run early)."""
+
+    def __init__(self, dropout: float = 0.2):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(dropout),
+            nn.Conv2d(8, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.body(x), labels)
+
+
+class DetachedConvStages(nn.Module):
+    """Three detached conv stages, each with a local conv head (the DGL style)."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        widths = (3, 8, 16, 16)
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(),
+                          nn.Dropout(dropout))
+            for i, o in zip(widths, widths[1:]))
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, 8, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 5))
+            for c in widths[1:])
+
+    def forward(self, x, labels):
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages, self.heads):
+            x = stage(x)
+            loss = loss + F.cross_entropy(head(x), labels)
+            x = x.detach()
+        return loss
+
+
+class DropoutChain(nn.Module):
+    """Detached Linear-ReLU-Dropout stages with local heads: dropout in every early block."""
+
+    def __init__(self, stages: int = 3, d: int = 16, p: float = 0.3):
+        super().__init__()
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Dropout(p)) for _ in range(stages))
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Dropout(p), nn.Linear(d, 3)) for _ in range(stages))
+
+    def forward(self, x, labels):
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages, self.heads):
+            x = stage(x)
+            loss = loss + F.cross_entropy(head(x), labels)
+            x = x.detach()
+        return loss
+
+
+def image_inputs():
+    return torch.randn(4, 3, 12, 12), torch.randint(0, 5, (4,))
+
+
+def vector_inputs():
+    return torch.randn(8, 16), torch.randint(0, 3, (8,))
+
+
+def generated_code(model, inputs, train=True, **compile_kwargs):
+    """The code Inductor generated for one step of ``model``, AOT graph ids blanked out."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, **compile_kwargs)
+
+    def step():
+        if not train:
+            with torch.no_grad():
+                return compiled(*inputs)
+        loss = compiled(*inputs)
+        loss.backward()
+        return loss
+
+    _, code = run_and_get_code(step)
+    return [re.sub(r"# AOT ID: \['\d+_", "# AOT ID: ['", c) for c in code]
+
+
+@pytest.mark.parametrize("train, dropout", [(True, 0.2), (True, 0.0), (False, 0.2)],
+                         ids=["training", "training-no-dropout", "inference"])
+def test_a_graph_with_no_early_block_compiles_to_stock_inductors_code(train, dropout):
+    model, inputs = ConvNet(dropout), image_inputs()
+    if not train:
+        model.eval()
+    stock = generated_code(copy.deepcopy(model), inputs, train)
+    with erase_fx.collect_reports() as reports:
+        erased = generated_code(copy.deepcopy(model), inputs, train,
+                                backend="erase", options=RAISE)
+    assert reports[0].blocks == ()
+    assert len(stock) == (2 if train else 1)
+    assert erased == stock
+
+
+def test_dropout_in_early_blocks_matches_stock_inductors_masks():
+    """Inductor's random ops draw the same masks in erase's segments as in the whole graph."""
+    model, inputs = DropoutChain(), vector_inputs()
+    stock, erased = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    torch.compile(stock)(*inputs).backward()
+    with erase_fx.collect_reports() as reports:
+        torch.manual_seed(1)
+        torch.compile(erased, backend="erase", options=RAISE)(*inputs).backward()
+    assert len(reports[0].blocks) == 2
+    assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
+    zero_rows = (erased.stages[0][0].weight.grad == 0).all(dim=1)
+    assert 0 < int(zero_rows.sum()) < 16  # the masks dropped something, and not everything
+
+
+def test_dropout_with_fallback_random_matches_eager():
+    """``fallback_random``: Inductor draws eager's random numbers; so does erase."""
+    model, inputs = DropoutChain(), vector_inputs()
+    eager, erased = copy.deepcopy(model), copy.deepcopy(model)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(2)
+        eager(*inputs).backward()
+        torch.manual_seed(2)
+        torch.compile(erased, backend="erase", options=RAISE)(*inputs).backward()
+    assert_same_grads(eager, erased, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_masks_are_fresh_each_step():
+    model, inputs = DropoutChain(), vector_inputs()
+    compiled = torch.compile(model, backend="erase", options=RAISE)
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        compiled(*inputs).backward()
+        grads.append(model.stages[0][0].weight.grad.clone())
+    assert not torch.equal(*grads)
+
+
+def test_conv_stages_keep_the_whole_forwards_layout_and_match_stock(monkeypatch):
+    """Segments compile with the whole forward's layout choice, for the strides producers make."""
+    calls = []
+    real = torch._inductor.compile_fx.compile_fx_inner
+
+    def recording(gm, example_inputs, **kwargs):
+        calls.append(([tuple(v.stride()) if isinstance(v, torch.Tensor) else None
+                       for v in example_inputs], kwargs.get("layout_opt")))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording)
+    model, inputs = DetachedConvStages(), image_inputs()
+    stock, erased = copy.deepcopy(model), copy.deepcopy(model)
+    torch.compile(stock)(*inputs).backward()
+    calls.clear()
+    with erase_fx.collect_reports() as reports:
+        torch.compile(erased, backend="erase", options=RAISE)(*inputs).backward()
+    assert len(reports[0].blocks) == 2
+    assert_same_grads(stock, erased, rtol=1e-4, atol=1e-5)
+    segment_calls = calls[:-1]  # the last compile is the backward's
+    assert len(segment_calls) > 1
+    assert {layout for _, layout in segment_calls} == {True}  # CPU + mkldnn: channels-last
+    channels_last = [s for strides, _ in segment_calls[1:] for s in strides
+                     if s is not None and len(s) == 4 and s[1] == 1]
+    assert channels_last, "no segment read a channels-last activation made by an earlier one"
+
+
+def test_segments_keep_fx_strides_for_user_visible_outputs(monkeypatch):
+    """Only the forward's user-visible outputs are held to FX strides in the segments."""
+    model, inputs = DetachedConvStages(), image_inputs()
+    captured = {}
+    real = inductor_segments.mark_outputs_user_visible
+
+    def recording(gm, indices=None):
+        captured[id(gm)] = indices
+        real(gm, indices)
+
+    monkeypatch.setattr(inductor_segments, "mark_outputs_user_visible", recording)
+    torch.compile(model, backend="erase", options=RAISE)(*inputs).backward()
+    visible_counts = [len(v) for v in captured.values() if v is not None]
+    assert len(captured) > 1 and sum(visible_counts) >= 1
+    assert all(v is not None for v in captured.values())  # static shapes: strides flow
