@@ -188,7 +188,7 @@ class GraphCompilation:
             streams = VirtualStreams()
         else:
             streams = CudaStreams(device, self.cfg.streams)
-        return StreamProgram.build(segmented, compiled, streams)
+        return StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag)
 
     def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any]) -> Any:

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.emit.inner import BoxedCallable
+from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward
@@ -80,6 +81,7 @@ class StreamProgram:
         results: tuple[tuple[str, Any], ...],
         streams: StreamOps,
         constants: tuple[tuple[int, Any], ...] = (),
+        release_lag: int = 2,
     ):
         # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
         # the instance __dict__, not class attributes, and AOT reads this flag.
@@ -96,6 +98,9 @@ class StreamProgram:
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
+        self.capture_plan: CapturePlan = plan_captured_releases(
+            [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
+            {slot for kind, slot in results if kind == "slot"}, release_lag)
 
     @classmethod
     def build(
@@ -103,6 +108,7 @@ class StreamProgram:
         segmented: SegmentedForward,
         compiled: Mapping[str, BoxedCallable],
         streams: StreamOps,
+        release_lag: int = 2,
     ) -> StreamProgram:
         graph = segmented.gm.graph
         slot: dict[fx.Node, int] = {}
@@ -156,7 +162,7 @@ class StreamProgram:
                 joins=tuple(joins),
             ))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants))
+                   tuple(constants), release_lag)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -165,30 +171,67 @@ class StreamProgram:
         for slot, value in self.constants:
             env[slot] = value
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
-        streams = self.streams
-        # NB: under CUDA graph capture nothing is freed before the join: freeing
-        # there let the capture hand memory a side stream still read to other
-        # work (wrong early grads on an H200, torch 2.11); the graph's memory
-        # is allocated once anyway.
-        free = not (self.side_streams and _capturing())
-        # NB: read the flag at each call: profilers start and stop between calls.
-        labelled = torch.autograd.profiler._is_profiler_enabled
-        for step in self.steps:
-            inputs = [env[i] for i in step.inputs]
-            if labelled:
-                with torch.profiler.record_function(PROFILE_LABEL_PREFIX + step.name):
-                    outputs = streams.run(step.stream, step.fn, inputs, step.joins)
-            else:
-                outputs = streams.run(step.stream, step.fn, inputs, step.joins)
-            for slot, value in zip(step.outputs, outputs):
-                if slot >= 0:
-                    env[slot] = value
-            if free:
-                for slot in step.frees:
-                    env[slot] = None
+        if self.side_streams and _capturing():
+            self._run_captured(env)
+        else:
+            self._run(env)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
-        streams.join(self.side_streams, [results[i] for i in self.side_results])
+        self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
+
+    def _run(self, env: list[Any]) -> None:
+        """Each slot dropped after its last reader; ``record_stream`` guards cross-stream reuse."""
+        for step in self.steps:
+            self._launch(step, env)
+            for slot in step.frees:
+                env[slot] = None
+
+    def _run_captured(self, env: list[Any]) -> None:
+        """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
+
+        NB: a step output that lives in memory an earlier value already had
+        (a view of an input or of another stream's tensor) is held to the
+        join: the plan reasons about the stream a tensor was made on, and a
+        view was not made where its memory was.
+        """
+        plan, streams = self.capture_plan, self.streams
+        seen = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
+        pinned: set[int] = set()
+        events: dict[int, Any] = {}
+        for k, step in enumerate(self.steps):
+            if plan.waits_before[k]:
+                streams.wait_events([events[r] for r in plan.waits_before[k]])
+            for slot in plan.releases_before[k]:
+                if slot not in pinned:
+                    env[slot] = None
+            self._launch(step, env)
+            for slot in step.outputs:
+                if slot >= 0 and isinstance(env[slot], torch.Tensor):
+                    key = _storage_key(env[slot])
+                    if key in seen:
+                        pinned.add(slot)
+                    seen.add(key)
+            if plan.records_event[k]:
+                events[k] = streams.record_event(step.stream)
+            for slot in plan.drops_after[k]:
+                if slot not in pinned:
+                    env[slot] = None
+
+    def _launch(self, step: Step, env: list[Any]) -> None:
+        inputs = [env[i] for i in step.inputs]
+        # NB: read the flag at each call: profilers start and stop between calls.
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(PROFILE_LABEL_PREFIX + step.name):
+                outputs = self.streams.run(step.stream, step.fn, inputs, step.joins)
+        else:
+            outputs = self.streams.run(step.stream, step.fn, inputs, step.joins)
+        for slot, value in zip(step.outputs, outputs):
+            if slot >= 0:
+                env[slot] = value
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:

@@ -25,6 +25,10 @@ class StreamOps(Protocol):
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None: ...
 
+    def record_event(self, stream: int) -> Any: ...
+
+    def wait_events(self, events: Sequence[Any]) -> None: ...
+
 
 class VirtualStreams:
     """CPU: streams are labels; steps run in program order.
@@ -52,6 +56,15 @@ class VirtualStreams:
         if self.trace is not None:
             self.trace.append(("join", tuple(streams)))
 
+    def record_event(self, stream: int) -> Any:
+        if self.trace is not None:
+            self.trace.append(("record", stream))
+        return stream
+
+    def wait_events(self, events: Sequence[Any]) -> None:
+        if self.trace is not None:
+            self.trace.append(("wait_events", tuple(events)))
+
 
 class CudaStreams:
     """CUDA: side steps run on side streams forked from, and joined to, the current stream."""
@@ -59,7 +72,6 @@ class CudaStreams:
     def __init__(self, device: torch.device, num_side_streams: int):
         self.device = device
         self.side = side_streams(device, num_side_streams)
-        self.held: list[torch.Tensor] = []
 
     def run(
         self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
@@ -73,15 +85,12 @@ class CudaStreams:
         side.wait_stream(main)
         # NB: the caching allocator must not hand an input's memory to main-stream
         # work while this side stream may still read it. Outside capture,
-        # record_stream says so. Under CUDA graph capture the inputs are held
-        # until the join instead: memory freed during capture is not guarded
-        # by stream uses (seen as a race on an H200, torch 2.11).
-        capturing = torch.cuda.is_current_stream_capturing()
-        for value in inputs:
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                if capturing:
-                    self.held.append(value)
-                else:
+        # record_stream says so. Under CUDA graph capture memory freed is not
+        # guarded by stream uses (seen as a race on an H200, torch 2.11):
+        # there `StreamProgram` orders every reuse itself (erase_fx.emit.release).
+        if not torch.cuda.is_current_stream_capturing():
+            for value in inputs:
+                if isinstance(value, torch.Tensor) and value.is_cuda:
                     value.record_stream(side)
         with torch.cuda.stream(side):
             return fn(inputs)
@@ -89,7 +98,18 @@ class CudaStreams:
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         main = torch.cuda.current_stream(self.device)
         self._wait_for(main, streams, side_outputs)
-        self.held.clear()  # the main stream is now ordered after every side read
+
+    def record_event(self, stream: int) -> torch.cuda.Event:
+        """An event on a side stream after the work launched there so far."""
+        event = torch.cuda.Event()
+        event.record(self.side[stream - 1])
+        return event
+
+    def wait_events(self, events: Sequence[torch.cuda.Event]) -> None:
+        """The main stream waits for side-stream events (before it reuses their inputs' memory)."""
+        main = torch.cuda.current_stream(self.device)
+        for event in events:
+            main.wait_event(event)
 
     def _wait_for(self, main: torch.cuda.Stream, streams: Sequence[int],
                   side_values: Sequence[Any]) -> None:

@@ -1,0 +1,89 @@
+"""Release planning under CUDA graph capture (erase_fx.emit.release), and the program running it."""
+import pytest
+import torch
+
+from erase_fx.config import EraseConfig
+from erase_fx.emit import program as program_module
+from erase_fx.emit.release import StepIO, plan_captured_releases
+from graphs import Chain, Stages, chain_inputs, real_values
+from test_program import build
+
+MAIN, SIDE1, SIDE2 = 0, 1, 2
+
+
+def chain_steps():
+    """Main 0 makes slot 2 (block 0's activation) -> side step 1 reads it; main steps 2, 4, 5 follow.
+
+    slots: 0, 1 inputs; 2 made by step 0 on main; 3 made by side step 1 (its loss),
+    read by main step 5 (the sum); 4 made by main 2, read by side 3; 5 by main 4; 6 by main 5.
+    """
+    return [
+        StepIO(MAIN, (0,), (2,)),
+        StepIO(SIDE1, (2, 1), (3,)),
+        StepIO(MAIN, (2,), (4,)),
+        StepIO(SIDE2, (4, 1), (7,)),
+        StepIO(MAIN, (4,), (5,)),
+        StepIO(MAIN, (5, 3, 7), (6,)),
+    ]
+
+
+def test_a_main_tensor_read_by_a_block_is_released_lag_main_steps_later_after_a_wait():
+    plan = plan_captured_releases(chain_steps(), num_inputs=2, kept={6}, release_lag=2)
+    assert plan.records_event == (False, True, False, True, False, False)
+    assert plan.waits_before[4] == (1,)  # the 2nd main step after side step 1
+    assert plan.releases_before[4] == (2,)
+    assert plan.waits_before[5] == (3,) and plan.releases_before[5] == (4,)
+
+
+def test_without_a_main_step_late_enough_a_value_is_held_to_the_join():
+    plan = plan_captured_releases(chain_steps(), num_inputs=2, kept={6}, release_lag=3)
+    # slot 4: read by side step 3, with two main steps after it
+    assert all(4 not in r for r in plan.releases_before)
+    assert all(4 not in d for d in plan.drops_after)
+    assert not plan.records_event[3]
+
+
+def test_lag_one_releases_at_the_next_main_step_after_every_main_read():
+    plan = plan_captured_releases(chain_steps(), num_inputs=2, kept={6}, release_lag=1)
+    # slot 2 is also read by main step 2: released at the first main step after that read
+    assert plan.releases_before[4] == (2,)
+    assert plan.waits_before[5] == (3,) and plan.releases_before[5] == (4,)
+
+
+def test_same_stream_values_drop_after_their_last_reader_and_side_values_read_by_main_are_held():
+    plan = plan_captured_releases(chain_steps(), num_inputs=2, kept={6}, release_lag=2)
+    assert plan.drops_after[5] == (5,)  # main made it, main read it
+    held = {3, 7}  # side-made losses the main sum reads
+    assert not held & {s for d in plan.drops_after for s in d}
+    assert not held & {s for r in plan.releases_before for s in r}
+    assert not {0, 1, 6} & {s for d in plan.drops_after for s in d}  # inputs, outputs
+
+
+def test_a_lag_below_one_is_refused():
+    with pytest.raises(ValueError, match="release_lag"):
+        plan_captured_releases(chain_steps(), num_inputs=2, kept=set(), release_lag=0)
+
+
+def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch):
+    stages = Stages(Chain(5), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    plain, _ = build(stages, trace=False)
+    expected = plain(list(args))
+
+    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    program, streams = build(stages)
+    got = program(list(args))
+    for a, b in zip(expected, got):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    kinds = [entry[0] for entry in streams.trace]
+    assert "record" in kinds and "wait_events" in kinds
+    # every wait comes after the event it waits for was recorded
+    recorded = 0
+    for entry in streams.trace:
+        if entry[0] == "record":
+            recorded += 1
+        elif entry[0] == "wait_events":
+            assert recorded >= len(entry[1])
+    assert any(program.capture_plan.releases_before)
