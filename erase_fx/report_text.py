@@ -2,11 +2,14 @@
 
 `format_report` renders a `GraphReport`: each early block with its stream,
 parameters, ready point and estimated backward FLOPs, then each component
-left in the backward with its reason. `format_table` lays out any rows in
+left in the backward with its reason, and under it the reason in words
+(wrapped: for loss terms that meet in sums of gradients it names the modules
+where they meet). `format_table` lays out any rows in
 left-aligned columns.
 """
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,12 +39,16 @@ def format_report(report: GraphReport) -> str:
         lines.append("  left in the backward:")
         rows = [
             (r.reason, len(r.params), first_names(r.params), r.num_nodes, _si(r.flops),
-             _share(r.flops, report.backward_flops),
-             r.detail + (f" (node {r.node})" if r.node else ""))
+             _share(r.flops, report.backward_flops))
             for r in report.rejected
         ]
-        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "share of bwd", "detail")
-        lines += format_table(headers, rows, indent="    ")
+        headers = ("reason", "#params", "params", "nodes", "bwd FLOPs", "share of bwd")
+        table = format_table(headers, rows, indent="    ")
+        lines.append(table[0])
+        for row, rejected in zip(table[1:], report.rejected):
+            lines.append(row)
+            lines += _wrapped(rejected.detail + (f" (node {rejected.node})" if rejected.node
+                                                 else ""), indent="      ")
     if report.blocks or report.rejected:
         lines.append(TABLE_KEY)
     return "\n".join(lines)
@@ -56,6 +63,16 @@ TABLE_KEY = (
     "side stream it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of "
     "the whole backward's FLOPs)"
 )
+
+
+#: The width a reason in words wraps at.
+DETAIL_WIDTH = 100
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` in lines of at most `DETAIL_WIDTH` characters, each starting with ``indent``."""
+    return textwrap.wrap(text, width=DETAIL_WIDTH, initial_indent=indent,
+                         subsequent_indent=indent, break_on_hyphens=False)
 
 
 def _count_params(block: BlockReport) -> str:

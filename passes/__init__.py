@@ -7,6 +7,7 @@ own invariants before returning (``check_*``). See README.md in this folder.
 On the AOT joint graph::
 
     find_stop_gradient_blocks   analysis -> BlockAnalysis (blocks, rejected + reasons)
+      split_at_sums             (used by it) a component's loss terms, their parts, where they meet
     schedule_early_backward     joint -> joint with early blocks cloned into the forward
     partition_joint_graph       joint -> (forward, backward), early grads kept in the forward
 
@@ -33,6 +34,7 @@ from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta
 from erase_fx.passes.partition_joint_graph import partition_joint_graph, stock_partition
 from erase_fx.passes.pass_result import PassResult
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
+from erase_fx.passes.split_at_sums import Meeting, TermSplit, split_at_sums
 from erase_fx.passes.split_segments import Segment, SegmentedForward, split_segments
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "BlockAnalysis",
     "Component",
     "DeferredScaling",
+    "Meeting",
     "NodeMeta",
     "PassResult",
     "RejectReason",
@@ -49,12 +52,14 @@ __all__ = [
     "ScaledGrad",
     "Segment",
     "SegmentedForward",
+    "TermSplit",
     "assign_streams",
     "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",
     "partition_joint_graph",
     "schedule_early_backward",
+    "split_at_sums",
     "split_segments",
     "stock_partition",
     "stream_of_block",

@@ -25,20 +25,24 @@ How:
      before the latest ready point, and every op on its path from the tangent
      is known to be linear in it (`linearity_violation`) and mutates nothing;
   6. a piece that would stay in the backward although several loss terms
-     reach it only through sums of gradients (a parameter two blocks share,
-     an activation read without detach) is split at those sums
-     (`split_at_sums`): each loss term's part is judged as in 5, with the
-     gradients it adds into the sums as *partial* outputs; the sums and what
-     follows them stay in the backward (``joins_blocks``). Where no part can
-     run early, the reason's detail names the sums;
+     reach it (a parameter two blocks share, a trunk whose auxiliary heads
+     read it without detach) is split where the terms' gradients meet
+     (`split_at_sums`, its own module): each loss term's part, the nodes
+     only its gradient reaches, the trunk's own branch sums included, is
+     judged as in 5, with the gradients it adds into the sums where it meets
+     the others as *partial* outputs; those sums and what follows them stay
+     in the backward (``joins_blocks``). The reasons say, in the model's
+     module names, which loss terms meet where, and why a part cannot run
+     early;
   7. an early block whose loss terms meet in such sums and become ready at
      different points is cut in pieces (`Component.pieces`): each term's
      part launches at its own ready point, the rest (the sums and what
      follows) after the last part, all on the block's stream (`_in_pieces`).
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
-0-dim tangent and a ready point that is a forward node; ids follow ready-point
-order. The pass does not change the graph.
+0-dim tangent and a ready point that is a forward node, reads no node of
+another component and is read outside only as gradients or gradient parts;
+ids follow ready-point order. The pass does not change the graph.
 
 Before (excerpt of a joint graph, block 1 detached from block 2)::
 
@@ -55,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import networkx as nx
 import torch
@@ -66,6 +70,15 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import is_primal, is_tangent, output_values, topo_positions
 from erase_fx.passes.linearity import linearity_violation
+from erase_fx.passes.split_at_sums import (
+    Meeting,
+    TermSplit,
+    held_text,
+    is_sum,
+    meetings,
+    split_at_sums,
+    term_names,
+)
 
 PASS_NAME = "find_stop_gradient_blocks"
 
@@ -136,13 +149,25 @@ class Block:
 
 @dataclasses.dataclass(frozen=True)
 class Rejected:
-    """A component that stays in the backward, and why."""
+    """A component that stays in the backward, and why.
+
+    Attributes:
+        component: its nodes.
+        reason: why, as a kind.
+        detail: why, in words: the model's module names where it helps, a
+            node name only beside them.
+        node: the graph node the reason is about, if any.
+        params: the parameters whose gradients it computes.
+        meetings: for a component several loss terms reach, where their
+            gradients are summed (`split_at_sums`); empty otherwise.
+    """
 
     component: Component
     reason: RejectReason
     detail: str
     node: str | None
     params: tuple[str, ...]
+    meetings: tuple[Meeting, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,35 +269,32 @@ def find_stop_gradient_blocks(
     def describe(members: set[fx.Node]) -> Component:
         return _describe(members, seeds, helper_pool, required_forward, grad_index, position)
 
+    def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
+        return _reject_reason(comp, by_name, latest, position)
+
+    grad_label = {node: primal_label[i] for node, i in grad_index.items()}
+
+    def cut(comp: Component) -> _Cut | None:
+        return _cut(comp, by_name, seeds, required_forward, position, describe, grad_label)
+
     early: list[Component] = []
     rejected: list[Rejected] = []
     for comp in components:
-        reason, detail, node = _reject_reason(comp, by_name, latest, position)
+        reason, detail, node = judge(comp)
         if reason is None:
-            early.append(_in_pieces(comp, by_name, seeds, describe, latest, position) or comp)
+            early.append(_in_pieces(comp, cut(comp), by_name, seeds, position, judge) or comp)
             continue
-        split = None
-        if reason in (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS):
-            split = split_at_sums(comp, by_name, seeds, describe)
-        if split is not None:
-            parts, rest, sums, terms = split
-            judged = [(part, _reject_reason(part, by_name, latest, position)) for part in parts]
-            if any(why[0] is None for _, why in judged):
-                for part, (part_reason, part_detail, part_node) in judged:
-                    if part_reason is None:
-                        early.append(part)
-                    else:
-                        rejected.append(Rejected(part, part_reason, part_detail, part_node,
-                                                 params_of(part)))
-                rejected.append(Rejected(
-                    rest, RejectReason.JOINS_BLOCKS,
-                    f"adds up the gradient parts of {terms} loss terms "
-                    f"({_sums_text(sums, comp, primal_label)}: a parameter they share, or a "
-                    f"value read without detach), then runs in the backward", None,
-                    params_of(rest)))
-                continue
-        detail += _joined_by_sums(comp, by_name, seeds, primal_label)
-        rejected.append(Rejected(comp, reason, detail, node, params_of(comp)))
+        pieces = cut(comp)
+        if pieces is None:
+            rejected.append(Rejected(comp, reason, detail, node, params_of(comp)))
+            continue
+        judged = [judge(part) for part in pieces.parts]
+        if reason in _SPLIT_REASONS and any(why[0] is None for why in judged):
+            early += [part for part, why in zip(pieces.parts, judged) if why[0] is None]
+            rejected += _left_in_backward(pieces, judged, params_of)
+            continue
+        detail += _met_in_sums_text(pieces, judged if reason in _SPLIT_REASONS else None)
+        rejected.append(Rejected(comp, reason, detail, node, params_of(comp), pieces.meetings))
     early.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
     blocks = [Block(i, comp, comp.tangents[0], params_of(comp)) for i, comp in enumerate(early)]
 
@@ -385,79 +407,71 @@ def _reject_reason(
     return None, "", None
 
 
-#: Ops that sum two gradients (autograd's accumulation of a value used twice).
-_SUM_OPS = (torch.ops.aten.add.Tensor,)
+#: Reasons for which a component is split where its loss terms meet: its
+#: parts may run early although the whole cannot.
+_SPLIT_REASONS = (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS)
 
 
-def joining_sums(comp: Component, by_name: dict[str, fx.Node],
-                 seeds: set[fx.Node]) -> tuple[list[set[fx.Node]], list[fx.Node]]:
-    """The pieces of ``comp`` that read a loss gradient once its sums are taken out, and
-    the sums that join them (none when fewer than two pieces).
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """A component cut where its loss terms meet (`split_at_sums`), as Components.
 
-    Two loss terms whose backwards meet only in a sum (``add``) of gradients
-    form one component: a parameter both blocks use, or an activation both
-    read with no detach between. Taking the sums out leaves one piece per
-    such loss term (pieces that read no seed or tangent, the backward after
-    a sum, do not count).
+    Attributes:
+        parts: the parts that split off, each with its ``partials`` (its
+            nodes that the sums in ``rest`` read).
+        part_names: the loss term of each part, in words.
+        rest: the other nodes: the sums where the terms meet, what follows
+            them, and the terms whose parts do not split off.
+        split: the split, node by node.
+        names: every loss term, in words.
+        meetings: where the terms' gradients are summed.
     """
-    members = [by_name[name] for name in comp.nodes]
-    sums = [n for n in members if n.target in _SUM_OPS]
-    rest = set(members) - set(sums)
-    graph = nx.Graph()
-    graph.add_nodes_from(rest)
-    graph.add_edges_from((n, a) for n in rest for a in n.all_input_nodes if a in rest)
-    seeded = [piece for piece in nx.connected_components(graph)
-              if any(a in seeds or is_tangent(a) for n in piece for a in n.all_input_nodes)]
-    if len(seeded) < 2:
-        return seeded, []
-    piece_of = {n: i for i, piece in enumerate(seeded) for n in piece}
-    joining = [s for s in sums
-               if len({piece_of[a] for a in _summands(s, sums) if a in piece_of}) > 1]
-    return seeded, joining
+
+    parts: tuple[Component, ...]
+    part_names: tuple[str, ...]
+    rest: Component
+    split: TermSplit
+    names: tuple[str, ...]
+    meetings: tuple[Meeting, ...]
 
 
-def split_at_sums(
+def _cut(
     comp: Component,
     by_name: dict[str, fx.Node],
     seeds: set[fx.Node],
+    forward: set[fx.Node],
+    position: dict[fx.Node, int],
     describe: Callable[[set[fx.Node]], Component],
-) -> tuple[list[Component], Component, list[fx.Node], int] | None:
-    """``comp`` split into the parts of its loss terms and the rest, or None.
-
-    A part is a piece of `joining_sums` that reads no sum (so no other part)
-    and has matrix work (a piece of elementwise ops, a regularizer's, say,
-    is not worth a stream of its own): it can run on its own, and its values
-    that the sums read are its ``partials``. The rest (the sums, the other
-    pieces, what follows) reads the parts only through the sums. Returns
-    (parts, rest, joining sums, number of loss terms).
-    """
-    pieces, sums = joining_sums(comp, by_name, seeds)
-    if not sums:
+    grad_label: Mapping[fx.Node, str],
+) -> _Cut | None:
+    """``comp`` cut where its loss terms meet, or None when fewer than two terms reach it."""
+    split = split_at_sums([by_name[name] for name in comp.nodes], seeds, forward, position)
+    if split is None:
         return None
-    all_sums = {n for n in (by_name[name] for name in comp.nodes) if n.target in _SUM_OPS}
-    parts = [piece for piece in pieces
-             if not any(a in all_sums for n in piece for a in n.all_input_nodes)
-             and sum(node_flops(n) for n in piece) > 0]
-    if not parts:
-        return None
-    members = {by_name[name] for name in comp.nodes}
-    rest = members.difference(*parts)
-    described = []
-    for piece in parts:
-        part = describe(piece)
+    parts = []
+    for index in split.parts:
+        part = describe(set(split.terms[index]))
         partials = tuple(n.name for n in (by_name[name] for name in part.nodes)
-                         if any(user in rest for user in n.users))
-        described.append(dataclasses.replace(part, partials=partials))
-    return described, describe(rest), sums, len(pieces)
+                         if any(user in split.rest for user in n.users))
+        parts.append(dataclasses.replace(part, partials=partials))
+    names = term_names(split, position)
+    return _Cut(
+        parts=tuple(parts),
+        part_names=tuple(names[i] for i in split.parts),
+        rest=describe(set(split.rest)),
+        split=split,
+        names=names,
+        meetings=meetings(split, names, grad_label, position),
+    )
 
 
 def _in_pieces(
     comp: Component,
+    cut: _Cut | None,
     by_name: dict[str, fx.Node],
     seeds: set[fx.Node],
-    describe: Callable[[set[fx.Node]], Component],
-    latest: int,
     position: dict[fx.Node, int],
+    judge: Callable[[Component], tuple[RejectReason | None, str, str | None]],
 ) -> Component | None:
     """An early component cut into pieces that launch at their own ready points, or None.
 
@@ -467,11 +481,10 @@ def _in_pieces(
     points at least, and the rest mutates nothing and is linear in the parts
     (with seed ``s`` the rest reads the parts' values at seed ``s``).
     """
-    split = split_at_sums(comp, by_name, seeds, describe)
-    if split is None:
+    if cut is None or not cut.parts:
         return None
-    parts, rest, _, _ = split
-    if any(_reject_reason(part, by_name, latest, position)[0] is not None for part in parts):
+    parts, rest = list(cut.parts), cut.rest
+    if any(judge(part)[0] is not None for part in parts):
         return None
     if len({part.ready_after for part in parts}) < 2:
         return None
@@ -489,33 +502,47 @@ def _in_pieces(
         piece_ready=(*(part.ready_after for part in parts), rest.ready_after))
 
 
-def _sums_text(sums: list[fx.Node], comp: Component, primal_label: list[str]) -> str:
-    grad_of = {name: primal_label[i] for i, name in comp.grad_outputs}
-    return ", ".join(f"of {grad_of[s.name]}" if s.name in grad_of else f"at {s.name}"
-                     for s in sums)
+def _left_in_backward(
+    cut: _Cut,
+    judged: list[tuple[RejectReason | None, str, str | None]],
+    params_of: Callable[[Component], tuple[str, ...]],
+) -> list[Rejected]:
+    """What of a cut component stays in the backward: the parts that cannot run early
+    (each with its reason and its loss term), then the rest (``joins_blocks``)."""
+    left = [Rejected(part, reason, f"{detail} ({name}, up to where it meets the other loss "
+                     f"terms)", node, params_of(part))
+            for part, name, (reason, detail, node) in zip(cut.parts, cut.part_names, judged)
+            if reason is not None]
+    left.append(Rejected(cut.rest, RejectReason.JOINS_BLOCKS, _joins_text(cut), None,
+                         params_of(cut.rest), cut.meetings))
+    return left
 
 
-def _summands(node: fx.Node, sums: list[fx.Node]) -> list[fx.Node]:
-    """The non-sum nodes a sum (or a tree of sums) adds up."""
-    found, stack = [], list(node.all_input_nodes)
-    while stack:
-        arg = stack.pop()
-        if arg in sums:
-            stack.extend(arg.all_input_nodes)
-        else:
-            found.append(arg)
-    return found
+def _joins_text(cut: _Cut) -> str:
+    """Why the rest of a cut component stays in the backward, in words."""
+    text = (f"adds up the gradient parts of {len(cut.names)} loss terms and runs in the "
+            f"backward: from where they meet on, it needs every term's gradient")
+    if cut.meetings:
+        text += " (" + "; ".join(m.sentence for m in cut.meetings) + ")"
+    held = held_text(cut.split, cut.names)
+    return text + "".join(f"; {h}" for h in held)
 
 
-def _joined_by_sums(comp: Component, by_name: dict[str, fx.Node], seeds: set[fx.Node],
-                    primal_label: list[str]) -> str:
-    """A note for a rejected component that several losses reach only through sums."""
-    pieces, sums = joining_sums(comp, by_name, seeds)
-    if not sums:
-        return ""
-    return (f"; the backwards of {len(pieces)} loss terms meet in it only through sums of "
-            f"gradients ({_sums_text(sums, comp, primal_label)}): a parameter they share, or "
-            f"a value one reads without detach")
+def _met_in_sums_text(
+    cut: _Cut, judged: list[tuple[RejectReason | None, str, str | None]] | None
+) -> str:
+    """A note for a rejected component that several loss terms reach: where they meet,
+    and (``judged``: each part's reason) why no part of it can run early."""
+    if not cut.split.joins:
+        return (f"; {len(cut.names)} loss terms meet in it, but not in sums of gradients"
+                + "".join(f"; {h}" for h in held_text(cut.split, cut.names)))
+    text = (f"; {len(cut.names)} loss terms meet in it only in sums of gradients ("
+            + "; ".join(m.sentence for m in cut.meetings) + ")")
+    if judged is None:
+        return text
+    why = [f"{name}: {detail}" for name, (_, detail, _) in zip(cut.part_names, judged)]
+    why += held_text(cut.split, cut.names)
+    return text + ", and no term's part can run early on its own (" + "; ".join(why) + ")"
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -535,6 +562,10 @@ def _primal_labels(graph: fx.Graph, primal_names: Sequence[str]) -> list[str]:
 def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
     """Invariants of the analysis; raises GraphInvariantError on a violation."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    components = [b.component for b in analysis.blocks] + [r.component for r in analysis.rejected]
+    # NB: blocks come first, so block k's nodes are owned by k
+    owner = {name: i for i, comp in enumerate(components) for name in comp.nodes}
+
     seen: set[str] = set()
     for expected_id, block in enumerate(analysis.blocks):
         comp = block.component
@@ -550,8 +581,14 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
                                       node=block.tangent)
         members = set(comp.nodes)
         for name in comp.nodes:
+            foreign = [a.name for a in by_name[name].all_input_nodes
+                       if owner.get(a.name, expected_id) != expected_id]
+            if foreign:
+                raise GraphInvariantError(
+                    PASS_NAME, "a block reads a node of another component (it could not run "
+                    "before that component)", node=name)
             outside = [u for u in by_name[name].users if u.name not in members]
-            allowed = ((lambda u: u.op == "output" or u.target in _SUM_OPS)
+            allowed = ((lambda u: u.op == "output" or is_sum(u))
                        if name in comp.partials else (lambda u: u.op == "output"))
             if not all(allowed(u) for u in outside) or (name in comp.partials and not outside):
                 raise GraphInvariantError(

@@ -287,6 +287,128 @@ def select_chain(stages: int = 3) -> StageChain:
     return StageChain([SelectStage() for _ in range(stages)])
 
 
+class Inception(nn.Module):
+    """GoogLeNet's block, tiny: 1x1, 1x1 -> 3x3 and pool -> 1x1 branches, concatenated.
+
+    Its input's gradient is a sum of the three branches' gradients: sums of
+    ONE loss term's gradient, inside the trunk.
+    """
+
+    def __init__(self, channels: int = 12):
+        super().__init__()
+        c = channels // 3
+        self.b1 = nn.Conv2d(channels, c, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(channels, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+        self.b3 = nn.Conv2d(channels, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.max_pool2d(x, 3, stride=1, padding=1)
+        return torch.cat([F.relu(self.b1(x)), F.relu(self.b2(x)), F.relu(self.b3(pooled))], 1)
+
+
+class InceptionAux(nn.Module):
+    """GoogLeNet's auxiliary head, tiny (no dropout: eager and compiled draw alike)."""
+
+    def __init__(self, channels: int = 12, classes: int = 5):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, 4, 1)
+        self.fc1 = nn.Linear(16, 8)
+        self.fc2 = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(F.adaptive_avg_pool2d(x, 2)))
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+class TinyGoogLeNet(nn.Module):
+    """GoogLeNet's shape: auxiliary heads on the trunk, no detach, ``blocks`` Inception
+    blocks after each head's branch point; loss = CE + 0.3 * (aux1 + aux2).
+
+    Each auxiliary loss is computed right after its head, so its head's backward can
+    run while the trunk goes on; its gradient meets the main loss's at the branch
+    point, through ``blocks`` blocks of the trunk's own branch sums.
+    """
+
+    def __init__(self, blocks: int = 2, channels: int = 12, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.inc3 = Inception(channels)
+        self.aux1 = InceptionAux(channels, classes)
+        self.inc4 = nn.Sequential(*(Inception(channels) for _ in range(blocks)))
+        self.aux2 = InceptionAux(channels, classes)
+        self.inc5 = nn.Sequential(*(Inception(channels) for _ in range(blocks)))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.inc3(F.relu(self.stem(x)))
+        aux1 = F.cross_entropy(self.aux1(h), labels)
+        h = self.inc4(h)
+        aux2 = F.cross_entropy(self.aux2(h), labels)
+        out = self.fc(self.inc5(h).mean((2, 3)))
+        return F.cross_entropy(out, labels) + 0.3 * (aux1 + aux2)
+
+
+def googlenet_inputs(batch: int = 2, size: int = 6, classes: int = 5):
+    return torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
+
+
+class Branches(nn.Module):
+    """A multi-branch block of Linear layers: two branches concatenated plus a third
+    summed, ``cat([relu(f(x)), tanh(g(x))]) + gelu(h(x))`` (no residual)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(d, d // 2), nn.Linear(d, d // 2), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.relu(self.f(x)), torch.tanh(self.g(x))], -1) + F.gelu(self.h(x))
+
+
+class AuxTrunk(nn.Module):
+    """A trunk of `Branches` blocks with an auxiliary head after the stem, no detach, and
+    ``blocks`` blocks between the head's branch point and the main head."""
+
+    def __init__(self, blocks: int = 2, d: int = 16, classes: int = 5, weight: float = 0.3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(d, d), nn.ReLU())
+        self.aux = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, classes))
+        self.trunk = nn.Sequential(*(Branches(d) for _ in range(blocks)))
+        self.head = nn.Linear(d, classes)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        aux = F.cross_entropy(self.aux(h), labels)
+        return F.cross_entropy(self.head(self.trunk(h)), labels) + self.weight * aux
+
+
+class AuxTrunkClipped(AuxTrunk):
+    """AuxTrunk whose auxiliary head clips its gradient: its part cannot run early."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        aux = F.cross_entropy(self.aux(ClipGrad.apply(h)), labels)
+        return F.cross_entropy(self.head(self.trunk(h)), labels) + self.weight * aux
+
+
+class AuxTrunkSplit(AuxTrunk):
+    """AuxTrunk whose auxiliary head reads one half of the stem's features (``chunk``) and
+    the trunk both halves: the losses' gradients of the first half meet in a sum, but the
+    main loss's gradient of the second half reaches the stem through ``cat`` (chunk's
+    backward), not a sum, so only the auxiliary term's part splits off."""
+
+    def __init__(self, blocks: int = 2, d: int = 16, classes: int = 5):
+        super().__init__(blocks, d, classes)
+        self.aux = nn.Sequential(nn.Linear(d // 2, d), nn.ReLU(), nn.Linear(d, classes))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        first, second = h.chunk(2, -1)
+        aux = F.cross_entropy(self.aux(first), labels)
+        main = self.head(self.trunk(torch.cat([first, second * 2.0], -1)))
+        return F.cross_entropy(main, labels) + self.weight * aux
+
+
 def select_inputs(batch: int = 6):
     return torch.randn(batch, 8), torch.rand(batch)
 

@@ -129,8 +129,14 @@ def test_a_rejected_component_says_when_losses_meet_only_in_gradient_sums():
     # block 1's part clips its gradient and block 2's is last: nothing to split off
     (rejected,) = explained(SharedLayerClipped(), two_block_inputs).rejected
     assert rejected.reason == RejectReason.LAST_BLOCK
-    assert ("the backwards of 2 loss terms meet in it only through sums of gradients "
-            "(of b1.2.bias, of b1.2.weight)") in rejected.detail
+    assert ("2 loss terms meet in it only in sums of gradients (the losses through head1 and "
+            "b2.2 meet in the gradients of b1.2.bias and b1.2.weight, parameters they "
+            "share)") in rejected.detail
+    # and why neither term's part can run on its own, each by its reason
+    assert "the loss through head1: aten.clamp.default is not known to be linear" in (
+        rejected.detail)
+    assert "the loss through b2.2: its backward is ready only when the forward ends" in (
+        rejected.detail)
     # one loss per component: no such note
     assert all("meet in it" not in r.detail
                for r in analyse(trace_joint(Chain(3), *chain_inputs())).rejected)
@@ -281,6 +287,26 @@ def test_check_block_analysis_catches_a_part_handed_out_unannounced():
                                                                      partials=()))
     broken = dataclasses.replace(analysis, blocks=(hidden, *analysis.blocks[1:]))
     with pytest.raises(GraphInvariantError, match="read outside it only"):
+        check_block_analysis(joint.gm, broken)
+
+
+def test_check_block_analysis_catches_a_block_reading_another_component():
+    import dataclasses
+
+    from erase_fx.errors import GraphInvariantError
+    from erase_fx.passes.find_stop_gradient_blocks import check_block_analysis
+
+    joint = trace_joint(Towers(3), *chain_inputs())
+    analysis = analyse(joint)
+    first, rest = analysis.blocks[0], analysis.rejected[-1]
+    # the part's first node moved to the rest: the part would read the rest
+    moved = first.component.nodes[0]
+    part = dataclasses.replace(first.component, nodes=first.component.nodes[1:])
+    broken = dataclasses.replace(analysis, blocks=(
+        dataclasses.replace(first, component=part), *analysis.blocks[1:]), rejected=(
+        *analysis.rejected[:-1], dataclasses.replace(rest, component=dataclasses.replace(
+            rest.component, nodes=(moved, *rest.component.nodes)))))
+    with pytest.raises(GraphInvariantError, match="reads a node of another component"):
         check_block_analysis(joint.gm, broken)
 
 
