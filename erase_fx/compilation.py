@@ -35,7 +35,10 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
-from erase_fx.emit.inductor_segments import compile_inductor_segments
+from erase_fx.emit.inductor_segments import (
+    compile_inductor_segments,
+    keep_early_values_at_fx_strides,
+)
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
@@ -113,6 +116,8 @@ class GraphCompilation:
         if not any(is_early(n) for n in fw.graph.nodes):
             compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         else:
+            if self.cfg.inner == "inductor":
+                keep_early_values_at_fx_strides(fw)
             try:
                 compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
             except Exception as error:  # noqa: BLE001 - the documented fallback

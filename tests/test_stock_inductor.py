@@ -200,3 +200,69 @@ def test_segments_keep_fx_strides_for_user_visible_outputs(monkeypatch):
     visible_counts = [len(v) for v in captured.values() if v is not None]
     assert len(captured) > 1 and sum(visible_counts) >= 1
     assert all(v is not None for v in captured.values())  # static shapes: strides flow
+
+
+class WideChain(nn.Module):
+    """Detached Linear-ReLU stages 1100 wide: rows Inductor pads on a GPU (stride 1100 > 1024)."""
+
+    def __init__(self, stages: int = 3, d: int = 1100):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.ReLU())
+                                    for _ in range(stages))
+        self.heads = nn.ModuleList(nn.Linear(d, 5) for _ in range(stages))
+
+    def forward(self, x, labels):
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages, self.heads):
+            x = stage(x)
+            loss = loss + F.cross_entropy(head(x), labels)
+            x = x.detach()
+        return loss
+
+
+def test_early_gradients_keep_the_parameters_layout_under_padding(monkeypatch):
+    """Padded (non-dense) early grads would be copied by AccumulateGrad and scaled out of place.
+
+    Inductor pads rows of non-user-visible outputs on GPUs (comprehensive
+    padding, forced on here for the CPU): erase's early grads must keep the
+    FX strides so that every one of them is scaled in place, no copy.
+    """
+    from erase_fx.emit import scale_grads
+
+    in_place = []
+    real = scale_grads.scale_unless_one_
+    monkeypatch.setattr(scale_grads, "scale_unless_one_",
+                        lambda tensors, scale: (in_place.extend(tensors), real(tensors, scale)))
+    model, inputs = WideChain(), (torch.randn(8, 1100), torch.randint(0, 5, (8,)))
+    # NB: no FX graph cache: its key does not see which outputs are user-visible
+    with torch._inductor.config.patch(comprehensive_padding=True, disable_padding_cpu=False,
+                                      fx_graph_cache=False), \
+            erase_fx.collect_reports() as reports:
+        torch.compile(model, backend="erase", options=RAISE)(*inputs).backward()
+    early = sum(len(b.params) for b in reports[0].blocks)
+    assert early == 8  # two early blocks: stage and head weight and bias each
+    assert len(in_place) == early
+    assert all(t.is_contiguous() for t in in_place)
+
+
+def test_a_cached_segment_with_other_strides_is_compiled_again(monkeypatch):
+    """Inductor's FX graph cache does not key on user-visible outputs: erase checks and recompiles."""
+    import erase_fx.compilation as compilation
+    from erase_fx.emit import scale_grads
+
+    in_place = []
+    real = scale_grads.scale_unless_one_
+    monkeypatch.setattr(scale_grads, "scale_unless_one_",
+                        lambda tensors, scale: (in_place.extend(tensors), real(tensors, scale)))
+    model, inputs = WideChain(), (torch.randn(8, 1100), torch.randint(0, 5, (8,)))
+    keep = compilation.keep_early_values_at_fx_strides
+    with torch._inductor.config.patch(comprehensive_padding=True, disable_padding_cpu=False,
+                                      fx_graph_cache=True):
+        # first: the segments cached with the early grads padded
+        monkeypatch.setattr(compilation, "keep_early_values_at_fx_strides", lambda fw: None)
+        torch.compile(copy.deepcopy(model), backend="erase", options=RAISE)(*inputs).backward()
+        torch._dynamo.reset()
+        in_place.clear()
+        monkeypatch.setattr(compilation, "keep_early_values_at_fx_strides", keep)
+        torch.compile(copy.deepcopy(model), backend="erase", options=RAISE)(*inputs).backward()
+    assert len(in_place) == 8
