@@ -70,15 +70,19 @@ class EraseConfig:
             control that says what the overlap alone is worth; no effect on
             CPU, where streams are virtual anyway.
         release_lag: under CUDA graph capture (erase's own graphs, or a whole
-            training step captured by `erase_fx.compile_step` or by hand), a
-            tensor the main stream made and a block's early backward read
-            (the block's activations) is released once the main stream has
-            started ``release_lag`` more segments: it then waits for that
-            block's side stream and its memory is reused. Smaller frees
-            sooner and lowers peak memory, but a main segment that waits for
-            a side stream still busy stalls; outside capture the caching
-            allocator frees such tensors as soon as the side stream is done
-            (see `erase_fx.emit.release`).
+            training step captured by `erase_fx.compile_step` or by hand),
+            when the forward's memory is freed. ``None`` (default): nothing
+            before the join at the end of the forward (the behaviour the
+            2,000-step race stress passed). An integer N: a tensor the main
+            stream made and a block's early backward read (the block's
+            activations) is released once the main stream has started N more
+            segments and waited for that block's side stream; tensors read on
+            one stream only are freed after their last reader. Smaller frees
+            sooner, but a main segment that waits for a side stream still
+            busy stalls. Not yet stress-tested on a GPU: opt in to measure
+            it. Outside capture the caching allocator frees every tensor as
+            soon as its last reader is done, whatever this says (see
+            `erase_fx.emit.release`).
         on_error: what a failure inside erase_fx does: ``"fallback"`` logs a
             warning with the reason and compiles the graph on the stock path
             (no early block, gradients still exact); ``"raise"`` raises the
@@ -95,7 +99,7 @@ class EraseConfig:
     cudagraphs: bool | None = None
     dump_dir: str | None = None
     overlap: bool = True
-    release_lag: int = 3
+    release_lag: int | None = None
     on_error: str = "fallback"
 
     def __post_init__(self) -> None:
@@ -112,9 +116,10 @@ class EraseConfig:
         if self.cudagraphs is not None:
             _check_type("cudagraphs", self.cudagraphs, bool)
         _check_type("overlap", self.overlap, bool)
-        _check_type("release_lag", self.release_lag, int)
-        if self.release_lag < 1:
-            raise EraseOptionError("release_lag", self.release_lag, "an integer >= 1")
+        if self.release_lag is not None:
+            _check_type("release_lag", self.release_lag, int)
+            if self.release_lag < 1:
+                raise EraseOptionError("release_lag", self.release_lag, "an integer >= 1 or None")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")
 

@@ -7,7 +7,7 @@ from erase_fx.emit.inner import example_inputs_of
 from graphs import Chain, Stages, assert_outputs_close, chain_inputs, real_values
 
 
-def build(stages, trace=True):
+def build(stages, trace=True, release_lag=None):
     segmented = stages.segmented
     compiled = {
         s.name: compile_segment(getattr(segmented.gm, s.name),
@@ -15,7 +15,7 @@ def build(stages, trace=True):
         for s in segmented.segments
     }
     streams = VirtualStreams(trace=trace)
-    return StreamProgram.build(segmented, compiled, streams), streams
+    return StreamProgram.build(segmented, compiled, streams, release_lag), streams
 
 
 def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end():

@@ -72,7 +72,7 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
     expected = plain(list(args))
 
     monkeypatch.setattr(program_module, "_capturing", lambda: True)
-    program, streams = build(stages)
+    program, streams = build(stages, release_lag=2)
     got = program(list(args))
     for a, b in zip(expected, got):
         if isinstance(a, torch.Tensor):
@@ -87,3 +87,24 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
         elif entry[0] == "wait_events":
             assert recorded >= len(entry[1])
     assert any(program.capture_plan.releases_before)
+
+
+def test_by_default_a_captured_run_frees_nothing_before_the_join(monkeypatch):
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    program, streams = build(stages)
+    assert program.capture_plan is None
+    dropped = []
+    real_launch = program._launch
+
+    def launch(step, env):
+        dropped.append(sum(v is None for v in env))
+        real_launch(step, env)
+
+    monkeypatch.setattr(program, "_launch", launch)
+    program(list(args))
+    # each step fills slots and none is emptied: fewer empty slots before every launch
+    assert all(a > b for a, b in zip(dropped, dropped[1:]))
+    assert not any(kind in ("record", "wait_events") for kind, *_ in streams.trace)

@@ -81,7 +81,7 @@ class StreamProgram:
         results: tuple[tuple[str, Any], ...],
         streams: StreamOps,
         constants: tuple[tuple[int, Any], ...] = (),
-        release_lag: int = 2,
+        release_lag: int | None = None,
     ):
         # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
         # the instance __dict__, not class attributes, and AOT reads this flag.
@@ -98,9 +98,11 @@ class StreamProgram:
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
-        self.capture_plan: CapturePlan = plan_captured_releases(
-            [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
-            {slot for kind, slot in results if kind == "slot"}, release_lag)
+        #: how a captured run frees memory; None: nothing before the join
+        self.capture_plan: CapturePlan | None = None if release_lag is None else \
+            plan_captured_releases(
+                [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
+                {slot for kind, slot in results if kind == "slot"}, release_lag)
 
     @classmethod
     def build(
@@ -108,7 +110,7 @@ class StreamProgram:
         segmented: SegmentedForward,
         compiled: Mapping[str, BoxedCallable],
         streams: StreamOps,
-        release_lag: int = 2,
+        release_lag: int | None = None,
     ) -> StreamProgram:
         graph = segmented.gm.graph
         slot: dict[fx.Node, int] = {}
@@ -195,6 +197,13 @@ class StreamProgram:
         view was not made where its memory was.
         """
         plan, streams = self.capture_plan, self.streams
+        if plan is None:
+            # NB: by default nothing is freed before the join under capture,
+            # where memory freed is not guarded by the streams that read it
+            # (a race seen on an H200); `release_lag` opts into the plan.
+            for step in self.steps:
+                self._launch(step, env)
+            return
         seen = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
         pinned: set[int] = set()
         events: dict[int, Any] = {}
