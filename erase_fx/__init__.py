@@ -12,15 +12,18 @@ from erase_fx.errors import (
     EraseOptionError,
     EraseRuntimeError,
     GraphInvariantError,
+    StepCaptureError,
     UnsupportedBlockError,
 )
 from erase_fx.explain import explain
 from erase_fx.report import BlockReport, GraphReport, RejectedReport, collect_reports
+from erase_fx.step import CompiledStep, compile_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockReport",
+    "CompiledStep",
     "EraseConfig",
     "EraseError",
     "EraseOptionError",
@@ -28,8 +31,10 @@ __all__ = [
     "GraphInvariantError",
     "GraphReport",
     "RejectedReport",
+    "StepCaptureError",
     "UnsupportedBlockError",
     "collect_reports",
+    "compile_step",
     "erase_backend",
     "explain",
     "make_backend",

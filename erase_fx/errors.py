@@ -79,3 +79,12 @@ class GraphInvariantError(EraseError):
 
 class EraseRuntimeError(EraseError):
     """A use of a compiled graph that erase_fx cannot run exactly (e.g. double backward)."""
+
+
+class StepCaptureError(EraseError):
+    """`erase_fx.compile_step` cannot capture the step in a CUDA graph (``on_unsupported="raise"``).
+
+    ``what`` names the operation that failed and where in the step; ``fix``
+    says what to change (e.g. ``capturable=True`` for Adam, or moving an
+    ``.item()`` out of the step).
+    """

@@ -43,7 +43,10 @@ Rules that keep replay exact (each one has a test on the GPU in
   captures, then replays.
 - **Inside someone else's capture** (the user captures the whole training
   step in one ``torch.cuda.CUDAGraph``): the compiled program runs as is, so
-  the user's graph captures it, side streams included.
+  the user's graph captures it, side streams included. The same while
+  `erase_fx.compile_step` warms a step up or captures it
+  (`erase_fx.emit.capture_scope.whole_step_scope`): its uncaptured warm-up
+  calls must not capture graphs of ours that its graph never replays.
 - **retain_graph=True.** The backward's graph scales early gradients in
   place (`erase_fx.emit.scale_grads`); a backward that keeps its graph runs
   without the CUDA graph, so a second backward reads unscaled saved tensors.
@@ -57,6 +60,7 @@ from typing import Any
 
 import torch
 
+from erase_fx.emit.capture_scope import in_whole_step_scope
 from erase_fx.emit.scale_grads import backward_keeps_graph
 
 log = logging.getLogger("erase_fx")
@@ -335,8 +339,10 @@ class GraphedBackward:
 
 
 def _capturing() -> bool:
-    """Whether the current stream is being captured (by someone else: ours run uncaptured)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether someone else captures the step: the current stream is being captured (ours run
+    uncaptured), or `erase_fx.compile_step` warms up or captures the whole step."""
+    return in_whole_step_scope() or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:

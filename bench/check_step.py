@@ -1,0 +1,458 @@
+"""GPU checks of `erase_fx.compile_step` (one graph for the step): ``python -m bench.check_step``.
+
+One process, a few minutes on an H200 (small models, few compiles). Each
+check prints a PASS/FAIL line; a summary table comes last; the exit status
+is 1 if any check failed. Every training run below is the same step: two
+models (a detached MLP chain with BatchNorm, and `bench.models.DetachedChain`),
+gradient accumulation over two micro-batches, one optimizer per model,
+``zero_grad(set_to_none=True)`` at the top.
+
+1. exactness: compile_step over ``backend="erase"`` (inner ``aot_eager``,
+   ``on_error="raise"``) trains exactly like eager, for SGD (momentum) and
+   Adam(capturable=True): parameters, optimizer state and BatchNorm buffers
+   bitwise equal after the steps;
+2. erase with Inductor inside compile_step stays within 2x (+1e-6) of the
+   distance stock torch.compile (Inductor) has from eager over the same steps
+   (parameters and buffers; optimizer state), Adam(capturable=True);
+3. stock torch.compile inside compile_step against stock torch.compile
+   outside, and erase with Inductor inside against the same outside (its own
+   CUDA graphs on): what compile_step itself changes (within 1e-6);
+4. a host sync (``.item()``) inside the step: the capture fails, the step
+   falls back and trains exactly like eager; the CUDA context, streams and
+   later captures still work; ``on_unsupported="raise"`` raises
+   `StepCaptureError`; Adam without ``capturable`` falls back naming the fix;
+5. dropout: every replay draws a fresh mask, dropping a fraction ~p;
+6. a float lr changed between steps recaptures (and trains like eager); a
+   tensor lr with capturable Adam, changed with ``fill_``, does not;
+7. step times (CUDA events) of a few variants, and the CPU cost of the
+   guards checked before each replay.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import traceback
+
+# NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import erase_fx  # noqa: E402
+from bench.models import ChainConfig, DetachedChain  # noqa: E402
+
+WARMUP = 2
+CHAIN = ChainConfig.parse("mlp:64:128:256:3")
+
+
+class BNChain(nn.Module):
+    """A front layer, then detached stages Linear-BatchNorm-ReLU(-Dropout)-Linear, local heads."""
+
+    def __init__(self, d: int = 96, h: int = 192, stages: int = 3, p: float = 0.0):
+        super().__init__()
+        self.front = nn.Linear(784, d)
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Dropout(p),
+                          nn.Linear(h, d))
+            for _ in range(stages))
+        self.heads = nn.ModuleList(nn.Linear(d, 10) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.front(x)
+        loss = None
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            local = F.cross_entropy(head(h), y)
+            loss = local if loss is None else loss + local
+            h = h.detach()
+        return loss
+
+
+def base_models(device):
+    torch.manual_seed(0)
+    return [BNChain().to(device), DetachedChain(CHAIN).to(device)]
+
+
+def make_batches(n, device, batch=64, seed=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [(torch.randn(batch, 784, device=device, generator=g),
+             torch.randint(0, 10, (batch,), device=device, generator=g)) for _ in range(n)]
+
+
+def make_optimizers(models, kind, device, lr=None):
+    if kind == "sgd":
+        return [torch.optim.SGD(m.parameters(), lr=lr or 0.05, momentum=0.9) for m in models]
+    if kind == "adam":
+        return [torch.optim.Adam(m.parameters(), lr=lr or 1e-3, capturable=True) for m in models]
+    if kind == "adam-tensor-lr":
+        return [torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-3, device=device),
+                                 capturable=True) for m in models]
+    if kind == "adam-not-capturable":
+        return [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+    raise ValueError(kind)
+
+
+def wrap(models, variant):
+    if variant == "eager":
+        return list(models)
+    if variant == "stock":
+        return [torch.compile(m) for m in models]
+    inner = {"erase-aot": "aot_eager", "erase-inductor": "inductor"}[variant]
+    return [torch.compile(m, backend="erase", options={"inner": inner, "on_error": "raise"})
+            for m in models]
+
+
+def make_step(optimizers, forwards, micro=2, sync=False):
+    """One training step: zero, two micro-batches through every model, one optimizer step each."""
+    def train_step(x, y):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=x.device)
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            for fn in forwards:
+                loss = fn(xs, ys)
+                loss.backward()
+                total = total + loss.detach()
+        for opt in optimizers:
+            opt.step()
+        return total.item() if sync else total  # NB: .item() is a host sync
+    return train_step
+
+
+def snapshot(models, optimizers):
+    """Every parameter, buffer and optimizer state tensor, cloned, with a name."""
+    out = []
+    for i, (m, o) in enumerate(zip(models, optimizers)):
+        out += [(f"model{i}.{k}", v.detach().clone()) for k, v in m.state_dict().items()]
+        for j, p in enumerate(m.parameters()):
+            for key, value in o.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out.append((f"model{i}.opt.param{j}.{key}", value.detach().clone()))
+    return out
+
+
+def exact(a, b):
+    """Names of the tensors that differ (empty: bitwise equal)."""
+    return [name for (name, x), (_, y) in zip(a, b) if not torch.equal(x, y)]
+
+
+def distance(a, b, state=None):
+    """Relative difference over all floating-point tensors: ||a - b|| / ||a||, all joined.
+
+    NB: joined, not the largest per tensor: a near-zero tensor (the Adam moment of a
+    bias whose gradients cancel) would make any rounding look like 100%. ``state``:
+    True for optimizer state only, False for parameters and buffers only.
+    """
+    diff = norm = 0.0
+    for (name, x), (_, y) in zip(a, b):
+        if x.is_floating_point() and (state is None or (".opt." in name) == state):
+            x, y = x.double(), y.double()
+            diff += (x - y).square().sum().item()
+            norm += x.square().sum().item()
+    return (diff / max(norm, 1e-300)) ** 0.5
+
+
+def largest(a, b, n=3):
+    """The names of the ``n`` tensors differing most (||a - b|| / ||a||), for diagnosis."""
+    rel = [(((x.double() - y.double()).norm() / x.double().norm().clamp_min(1e-30)).item(), name)
+           for (name, x), (_, y) in zip(a, b) if x.is_floating_point()]
+    return ", ".join(f"{name} {r:.1e}" for r, name in sorted(rel, reverse=True)[:n])
+
+
+def train(variant, kind, batches, device, captured, lr_change=None, sync=False, **step_options):
+    """Fresh copies of the base models trained over ``batches``; (snapshot, step, models, opts)."""
+    torch._dynamo.reset()
+    models = [copy.deepcopy(m) for m in base_models(device)]
+    opts = make_optimizers(models, kind, device)
+    fn = make_step(opts, wrap(models, variant), sync=sync)
+    step = erase_fx.compile_step(fn, warmup=WARMUP, **step_options) if captured else fn
+    for i, (x, y) in enumerate(batches):
+        if lr_change is not None and i == lr_change[0]:
+            for opt in opts:
+                for group in opt.param_groups:
+                    if isinstance(group["lr"], torch.Tensor):
+                        group["lr"].fill_(lr_change[1])
+                    else:
+                        group["lr"] = lr_change[1]
+        step(x, y)
+    torch.cuda.synchronize()
+    return snapshot(models, opts), step, models, opts
+
+
+class Report:
+    def __init__(self):
+        self.rows = []
+
+    def check(self, name, ok, detail=""):
+        self.rows.append((name, ok, detail))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        return ok
+
+    def crashed(self, name):
+        detail = traceback.format_exc(limit=4).strip().splitlines()[-1]
+        traceback.print_exc()
+        self.check(name, False, f"raised {detail}")
+
+    @property
+    def failed(self):
+        return [r for r in self.rows if not r[1]]
+
+
+def counts(step):
+    return (f"captures {step.captures}, replays {step.replays}, warm-ups {step.warmups}, "
+            f"uncaptured_reason {step.uncaptured_reason!r}")
+
+
+def captured_as_expected(step, steps, captures=1):
+    return (step.captures == captures and step.uncaptured_reason is None
+            and step.replays == steps - captures * WARMUP)
+
+
+# -- the checks ------------------------------------------------------------------
+
+
+def check_exactness(report, device, steps):
+    batches = make_batches(steps, device)
+    # NB: cuDNN's BatchNorm rounds differently from the native kernel that AOT graphs call;
+    # off, eager runs the same kernel, so any difference is compile_step's.
+    torch.backends.cudnn.enabled = False
+    try:
+        for kind in ("sgd", "adam"):
+            want, *_ = train("eager", kind, batches, device, captured=False)
+            got, step, *_ = train("erase-aot", kind, batches, device, captured=True)
+            differ = exact(want, got)
+            report.check(f"exact: compile_step(erase, aot_eager) vs eager, {kind}",
+                         not differ and captured_as_expected(step, steps),
+                         f"{len(want)} tensors, {len(differ)} differ "
+                         f"{differ[:3]} (rel {distance(want, got):.1e}); {counts(step)}")
+    finally:
+        torch.backends.cudnn.enabled = True
+
+
+def check_inductor(report, device, steps, timings):
+    batches = make_batches(steps, device, seed=2)
+    want, *_ = train("eager", "adam", batches, device, captured=False)
+    stock_out, stock_step, *_ = train("stock", "adam", batches, device, captured=False)
+    timings.append(("stock torch.compile", False, time_step(stock_step, batches, device)))
+    stock_in, stock_cap, *_ = train("stock", "adam", batches, device, captured=True)
+    stock_counts, stock_ok = counts(stock_cap), captured_as_expected(stock_cap, steps)
+    timings.append(("stock torch.compile", True, time_step(stock_cap, batches, device)))
+    erase_out, erase_step, *_ = train("erase-inductor", "adam", batches, device, captured=False)
+    timings.append(("erase (inductor, its own graphs)", False,
+                    time_step(erase_step, batches, device)))
+    erase_in, erase_cap, models, opts = train("erase-inductor", "adam", batches, device,
+                                              captured=True)
+    erase_counts, erase_ok = counts(erase_cap), captured_as_expected(erase_cap, steps)
+    timings.append(("erase (inductor)", True, time_step(erase_cap, batches, device)))
+    details, ok = [], erase_ok
+    for what, state in (("parameters and buffers", False), ("optimizer state", True)):
+        d_stock, d_erase = distance(want, stock_out, state), distance(want, erase_in, state)
+        limit = 2 * d_stock + 1e-6
+        ok = ok and d_erase <= limit
+        details.append(f"{what}: erase {d_erase:.2e}, stock {d_stock:.2e}, limit {limit:.2e}")
+    if not ok:
+        # NB: diagnosis: which tensors, and whether erase outside compile_step gives the
+        # same numbers twice (a difference there is nondeterminism, not compile_step)
+        again, *_ = train("erase-inductor", "adam", batches, device, captured=False)
+        details.append(f"differing most: erase {largest(want, erase_in)}; "
+                       f"stock {largest(want, stock_out)}; erase outside, run twice: rel "
+                       f"{distance(erase_out, again):.2e}")
+    report.check("inductor: compile_step(erase, inductor) vs eager within 2x stock's distance",
+                 ok, f"{'; '.join(details)}; {erase_counts}")
+    for name, outside, inside, tail in (
+            ("stock: compile_step(torch.compile) vs torch.compile outside", stock_out,
+             stock_in, stock_counts),
+            ("erase: compile_step(erase, inductor) vs the same erase outside", erase_out,
+             erase_in, erase_counts)):
+        differ, d_in = exact(outside, inside), distance(outside, inside)
+        report.check(name, d_in <= 1e-6 and (stock_ok if "stock" in name else erase_ok),
+                     f"{len(differ)} of {len(outside)} tensors differ, rel {d_in:.2e} "
+                     f"(limit 1e-6); {tail}")
+    entry = next(iter(erase_cap._entries.values()))
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        entry.record.check()
+    guard_us = (time.perf_counter() - start) / n * 1e6
+    params = sum(1 for m in models for _ in m.parameters())
+    timings.append((f"guards before a replay ({params} parameters, Adam): {guard_us:.1f} us",
+                    None, None))
+
+
+def check_failed_capture(report, device, steps):
+    batches = make_batches(steps, device, seed=3)
+    want, *_ = train("eager", "sgd", batches, device, captured=False, sync=True)
+    got, step, *_ = train("eager", "sgd", batches, device, captured=True, sync=True)
+    reason = step.uncaptured_reason or ""
+    differ = exact(want, got)
+    report.check("failed capture (.item() in the step) falls back, trains like eager",
+                 not differ and step.captures == 0 and ".item()" in reason and "Fix:" in reason,
+                 f"{len(differ)} tensors differ; {counts(step)}")
+    current = torch.cuda.current_stream()
+    ok = (current == torch.cuda.default_stream() and not torch.cuda.is_current_stream_capturing())
+    torch.ones(1, device=device).add_(1)
+    torch.cuda.synchronize()
+    report.check("after a failed capture the stream and context are as before", ok,
+                 f"current stream {current}")
+    # "raise": the call raises and trains nothing; training can go on uncaptured
+    torch._dynamo.reset()
+    models = [copy.deepcopy(m) for m in base_models(device)]
+    opts = make_optimizers(models, "sgd", device)
+    fn = make_step(opts, models, sync=True)
+    step = erase_fx.compile_step(fn, warmup=1, on_unsupported="raise")
+    step(*batches[0])
+    before = snapshot(models, opts)
+    try:
+        step(*batches[1])
+        raised = None
+    except erase_fx.StepCaptureError as error:
+        raised = error
+    after = snapshot(models, opts)
+    report.check('on_unsupported="raise" raises StepCaptureError, state untouched',
+                 raised is not None and not exact(before, after) and "Fix:" in str(raised),
+                 f"{str(raised)[:160]!r}")
+    got, step, *_ = train("eager", "adam-not-capturable", batches, device, captured=True)
+    want, *_ = train("eager", "adam-not-capturable", batches, device, captured=False)
+    reason = step.uncaptured_reason or ""
+    report.check("Adam without capturable falls back, naming capturable=True",
+                 step.captures == 0 and "capturable=True" in reason and not exact(want, got),
+                 f"{counts(step)}")
+
+
+def check_dropout(report, device, steps, p=0.3):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU()).to(device)
+    head = nn.Linear(512, 10).to(device)
+    opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=0.05)
+
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        h = model(x)
+        dropped = F.dropout(h, p, training=True)
+        loss = F.cross_entropy(head(dropped), y)
+        loss.backward()
+        opt.step()
+        return loss, (dropped == 0) & (h != 0), h != 0
+
+    step = erase_fx.compile_step(train_step, warmup=WARMUP)
+    masks, fractions = [], []
+    for x, y in make_batches(steps, device, batch=256, seed=4):
+        _, mask, alive = step(x, y)
+        if step.replays:
+            masks.append(mask)
+            fractions.append((mask.sum() / alive.sum()).item())
+    distinct = all(not torch.equal(a, b) for i, a in enumerate(masks) for b in masks[i + 1:])
+    ok = (distinct and len(masks) >= 2 and all(abs(f - p) < 0.02 for f in fractions)
+          and step.uncaptured_reason is None)
+    report.check("dropout: a fresh mask at every replay, dropping ~p",
+                 ok, f"{len(masks)} replays, masks all distinct: {distinct}, dropped "
+                 f"{', '.join(f'{f:.3f}' for f in fractions)} (p={p}); {counts(step)}")
+
+
+def check_lr(report, device, steps):
+    batches = make_batches(steps + 3, device, seed=5)
+    change = (WARMUP + 2, 0.01)  # after the capture and one replay
+    want, *_ = train("eager", "sgd", batches, device, captured=False, lr_change=change)
+    got, step, *_ = train("eager", "sgd", batches, device, captured=True, lr_change=change)
+    differ = exact(want, got)
+    report.check("float lr changed between steps recaptures, trains like eager",
+                 step.captures == 2 and not differ and step.uncaptured_reason is None,
+                 f"{len(differ)} tensors differ; {counts(step)}")
+    change = (WARMUP + 2, 2e-4)
+    want, *_ = train("eager", "adam-tensor-lr", batches, device, captured=False,
+                     lr_change=change)
+    got, step, *_ = train("eager", "adam-tensor-lr", batches, device, captured=True,
+                          lr_change=change)
+    differ = exact(want, got)
+    report.check("tensor lr (capturable Adam, fill_) changed between steps: no recapture",
+                 captured_as_expected(step, len(batches)) and not differ,
+                 f"{len(differ)} tensors differ; {counts(step)}")
+
+
+def time_step(step, batches, device, trials=5, per_trial=10):
+    """Median ms per call (CUDA events) over the batches, cycled."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(per_trial):
+            step(*batches[i % len(batches)])
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / per_trial)
+    return statistics.median(times)
+
+
+def check_eager_timing(report, device, timings):
+    batches = make_batches(4, device, seed=6)
+    _, step, *_ = train("eager", "adam", batches, device, captured=False)
+    timings.append(("eager", False, time_step(step, batches, device)))
+    _, step, *_ = train("eager", "adam", batches, device, captured=True)
+    timings.append(("eager", True, time_step(step, batches, device)))
+
+
+CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated subset of {','.join(CHECKS)}")
+    args = parser.parse_args(argv)
+    chosen = args.checks.split(",")
+    unknown = sorted(set(chosen) - set(CHECKS))
+    if unknown:
+        parser.error(f"unknown checks {unknown}; allowed: {', '.join(CHECKS)}")
+    if not torch.cuda.is_available():
+        print("FAIL: needs a CUDA GPU")
+        return 1
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
+    report, timings = Report(), []
+    start = time.perf_counter()
+    runs = {
+        "exactness": lambda: check_exactness(report, device, args.steps),
+        "failed-capture": lambda: check_failed_capture(report, device, args.steps),
+        "dropout": lambda: check_dropout(report, device, args.steps),
+        "lr": lambda: check_lr(report, device, args.steps),
+        "inductor": lambda: check_inductor(report, device, args.steps, timings),
+        "timing": lambda: check_eager_timing(report, device, timings),
+    }
+    for name in chosen:
+        check = runs[name]
+        t0 = time.perf_counter()
+        try:
+            check()
+        except Exception:  # noqa: BLE001 - report it and go on with the other checks
+            report.crashed(name)
+        print(f"  ({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+
+    print("\n| check | result | detail |\n|---|---|---|")
+    for name, ok, detail in report.rows:
+        print(f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
+    print("\n| step (2 models, 2 micro-batches, Adam) | compile_step | ms per step |")
+    print("|---|---|---|")
+    for name, captured, ms in timings:
+        if captured is None:
+            print(f"| {name} | | |")
+        else:
+            print(f"| {name} | {'yes' if captured else 'no'} | {ms:.3f} |")
+    failed = report.failed
+    print(f"\n{len(report.rows) - len(failed)} passed, {len(failed)} failed "
+          f"in {time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
