@@ -18,54 +18,22 @@ Prints a table last. Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 import erase_fx
-import erase_fx.compilation
+from bench.harness import (Variant, build_step, compile_erase, grads_of, max_rel_err,
+                           time_steps, whole_step_graph)
 from bench.models import ChainConfig, DetachedChain, make_inputs
-from erase_fx.emit import VirtualStreams
 from erase_fx.emit.cudagraphs import GraphedForward
 
 # NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def grads_of(model):
-    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
-
-
-def max_rel_err(reference, candidate):
-    worst = 0.0
-    for r, c in zip(reference, candidate):
-        if r is None or c is None:
-            if (r is None) != (c is None):
-                return float("inf")
-            continue
-        worst = max(worst, ((c - r).norm() / r.norm().clamp_min(1e-30)).item())
-    return worst
-
-
-def compile_erase(model, **options):
-    return torch.compile(model, backend="erase", options={"on_error": "raise", **options})
-
-
-class OneStream:
-    """Run erase's program with every segment on the current stream (the no-overlap baseline)."""
-
-    def __enter__(self):
-        self.saved = erase_fx.compilation.CudaStreams
-        erase_fx.compilation.CudaStreams = lambda device, n: VirtualStreams()
-
-    def __exit__(self, *exc):
-        erase_fx.compilation.CudaStreams = self.saved
 
 
 def check_parity(cfg, options, steps, device, control=False, tangent=1.0):
@@ -254,9 +222,7 @@ def stress(cfg, steps, device, graphs):
         base = DetachedChain(cfg).to(device)
         multi_model, single_model = copy.deepcopy(base), copy.deepcopy(base)
         multi = compile_erase(multi_model, inner="inductor", cudagraphs=graphs)
-        with OneStream():
-            single = compile_erase(single_model, inner="inductor", cudagraphs=graphs)
-            single(*make_inputs(cfg, device))  # compile under the one-stream driver
+        single = compile_erase(single_model, inner="inductor", cudagraphs=graphs, overlap=False)
         differing = 0
         generator = torch.Generator(device=device).manual_seed(0)
         for _ in range(steps):
@@ -273,56 +239,9 @@ def stress(cfg, steps, device, graphs):
         torch.use_deterministic_algorithms(False)
 
 
-def time_steps(step, trials, steps_per_trial, warmup):
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps_per_trial):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / steps_per_trial)
-    return statistics.median(times), min(times), max(times)
-
-
-def whole_step_graph(model, fn, inputs):
-    """The whole training step (forward and backward) captured in one CUDA graph."""
-    static = [t.clone() for t in inputs]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            fn(*static).backward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    model.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        fn(*static).backward()
-
-    def step():
-        for buffer, value in zip(static, inputs):
-            buffer.copy_(value)
-        graph.replay()
-
-    return step
-
-
-VARIANTS = {
-    "eager": lambda m: m,
-    "inductor": lambda m: torch.compile(m),
-    "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
-    "inductor+graph": "whole-step",
-    "erase": lambda m: compile_erase(m, inner="inductor", cudagraphs=False),
-    "erase+graphs": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
-    "erase+graphs-1stream": lambda m: compile_erase(m, inner="inductor", cudagraphs=True),
-    "erase+wholestep": "whole-step",
-    "erase+wholestep-1stream": "whole-step",
-}
+#: The timing table's variants (`bench.harness`'s names).
+VARIANTS = ("eager", "inductor", "reduce-overhead", "inductor+graph", "erase", "erase+graphs",
+            "erase+graphs/one-stream", "erase+step-graph", "erase+step-graph/one-stream")
 
 
 def timing(cfg, device, trials, steps_per_trial, variants):
@@ -334,29 +253,16 @@ def timing(cfg, device, trials, steps_per_trial, variants):
     for name in variants:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        one_stream = OneStream() if "1stream" in name else contextlib.nullcontext()
         start = time.perf_counter()
-        with one_stream:
-            if name == "inductor+graph":
-                step = whole_step_graph(model, torch.compile(model), inputs)
-            elif name.startswith("erase+wholestep"):
-                step = whole_step_graph(
-                    model, compile_erase(model, inner="inductor", cudagraphs=False), inputs)
-            else:
-                fn = VARIANTS[name](model)
-
-                def step(fn=fn, model=model):
-                    model.zero_grad(set_to_none=True)
-                    fn(*inputs).backward()
-
-                step()
-            torch.cuda.synchronize()
-            compile_s = time.perf_counter() - start
-            torch.cuda.reset_peak_memory_stats()
-            median, low, high = time_steps(step, trials, steps_per_trial, warmup=5)
+        step = build_step(Variant.parse(name), model, inputs).step
+        step()  # the CUDA graph variants capture here
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats()
+        median, low, high = time_steps(step, trials, steps_per_trial, warmup=5)
         peak = torch.cuda.max_memory_allocated()
         rows.append((str(cfg), name, median, low, high, compile_s, peak))
-        print(f"  {cfg} {name:22s} {median:7.3f} ms (min {low:.3f}, max {high:.3f}), "
+        print(f"  {cfg} {name:28s} {median:7.3f} ms (min {low:.3f}, max {high:.3f}), "
               f"compile {compile_s:.1f} s, peak {peak / 2**20:.0f} MiB", flush=True)
     return rows
 

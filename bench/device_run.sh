@@ -1,7 +1,23 @@
 #!/usr/bin/env bash
-# The GPU runs, in parts that each fit one device call (10 minutes at most).
+# The GPU runs, in parts that each fit one device call (10 minutes at most, compile included;
+# each bench.run part stops starting rows at its --budget-s and keeps what it measured).
 #   bash bench/device_run.sh bench-a   bench.run on the three small configs, with one-stream rows
 #   bash bench/device_run.sh bench-b   bench.run on ctr:4096 (with one-stream rows) and ctr:16384
+#   bash bench/device_run.sh step      the whole step: compile_step against the hand capture, with
+#                                      and without Adam inside, and one-stream controls, on the
+#                                      three small configs (~8 min)
+#   bash bench/device_run.sh memory-a  step memory and time on the gpt configs (bf16 autocast):
+#                                      inductor, erase, the hand captures, the step API,
+#                                      reduce-overhead, erase+graphs (~7 min)
+#   bash bench/device_run.sh memory-b  the same on ctr:16384 (~3 min)
+#   bash bench/device_run.sh vision-a  torchvision ResNet-18, DGL (detached stages) and as shipped:
+#                                      the step API and the hand capture of inductor and erase,
+#                                      erase's own graphs, inductor, a one-stream control (~8 min;
+#                                      each model compiles for tens of seconds per variant)
+#   bash bench/device_run.sh vision-b  the same on MobileNetV3-small (DGL) and a ViT (DGL: detached
+#                                      pairs of blocks with token heads) (~8 min)
+#   bash bench/device_run.sh vision-c  the same on GoogLeNet with its aux heads (~5 min)
+#   bash bench/device_run.sh vision-d  the same on EfficientNet-B0 (DGL, stochastic depth) (~5 min)
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
 #   bash bench/device_run.sh towers    bench.run and a race stress on towers over a shared front
 #                                      (the early parts of gradients summed in the backward; with
@@ -14,8 +30,9 @@
 #   bash bench/device_run.sh paper-ctr-speed  erase+graphs and reduce-overhead only, 5 seeds
 #                                          (~3 min): the speed claim, side by side
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
-# Results go to $OUT (default bench/results/device); join bench-a and bench-b with
-#   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json
+# Results go to $OUT (default bench/results/device); join the bench.run parts with
+#   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json $OUT/step.json \
+#     $OUT/memory-a.json $OUT/memory-b.json $OUT/vision-{a,b,c,d}.json
 # join the CTR parts into ctr.json beside the other paper files, and rebuild the report, with
 #   python -m bench.paper.ctr --merge $OUT/paper/parts/ctr-seeds-0-2.json \
 #     $OUT/paper/parts/ctr-seeds-3-4.json $OUT/paper/parts/ctr-seed-5.json --results-dir $OUT/paper
@@ -23,22 +40,55 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  bench-a|bench-b|step|memory-a|memory-b|vision-a|vision-b|vision-c|vision-d) ;;
+  checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
+  *) sed -n 2,39p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # NB: the GPU image has torch and the other dependencies; only erase_fx itself is installed.
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+SMALL=ctr:1024:512:1024:6,mlp:512:1024:2048:6,mlp:128:2000:2000:4
+# NB: the variants of the first benchmark (bench-a, bench-b); the step API has its own part
+CLASSIC=eager,paper,inductor,reduce-overhead,inductor+graph,erase,erase+graphs,erase+step-graph
+STEP=inductor+graph,inductor+step,erase+step-graph,erase+step
+ADAM=inductor+graph+adam,inductor+step+adam,erase+step+adam
+MEMORY=inductor,erase,inductor+graph,erase+step-graph,inductor+step,erase+step,reduce-overhead
+MEMORY+=,erase+graphs
+# NB: the pairs judged first: a budget that runs out drops the controls
+VISION=inductor+step,erase+step,inductor+graph,erase+step-graph,erase+graphs,inductor
+VISION+=,erase+step-graph/one-stream
+# run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
+run() {
+  local name=$1 configs=$2 variants=$3
+  shift 3
+  # NB: --streams '' leaves out the side-stream-count rows (measured once, see README);
+  # timeout: a last row that overruns the budget still ends inside the device call
+  timeout 570 python3 -m bench.run --budget-s 450 --out "$OUT/$name.json" --streams '' \
+    --configs "$configs" --variants "$variants" "$@"
+}
 case "$1" in
   bench-a)
-    # NB: --streams '' leaves out the side-stream-count rows (measured once, see README)
-    python3 -m bench.run --budget-s 500 --out "$OUT/bench-a.json" --streams '' \
-      --configs ctr:1024:512:1024:6,mlp:512:1024:2048:6,mlp:128:2000:2000:4 ;;
+    run bench-a "$SMALL" "$CLASSIC" --budget-s 500 ;;
   bench-b)
-    python3 -m bench.run --budget-s 500 --out "$OUT/bench-b.json" --streams '' \
-      --configs ctr:4096:1024:2048:6,ctr:16384:1024:2048:6 --sweep-configs ctr:4096:1024:2048:6 ;;
+    run bench-b ctr:4096:1024:2048:6,ctr:16384:1024:2048:6 "$CLASSIC" --budget-s 500 \
+      --sweep-configs ctr:4096:1024:2048:6 ;;
+  step)
+    # the sweep adds erase+step-graph/one-stream and erase+step/one-stream on each config
+    run step "$SMALL" "$STEP,$ADAM" --sweep-configs "$SMALL" ;;
+  memory-a)
+    run memory-a gpt:8:768:1024:6,gpt:16:384:256:8 "$MEMORY" --sweep-configs '' ;;
+  memory-b)
+    run memory-b ctr:16384:1024:2048:6 "$MEMORY" --sweep-configs '' ;;
+  vision-a)
+    run vision-a tv-resnet18-dgl:256:32,tv-resnet18:256:32 "$VISION" --sweep-configs '' ;;
+  vision-b)
+    run vision-b tv-mobilenet-dgl:256:64,tv-vit-dgl:256:32 "$VISION" --sweep-configs '' ;;
+  vision-c)
+    run vision-c tv-googlenet-aux:128:64 "$VISION" --sweep-configs '' ;;
+  vision-d)
+    run vision-d tv-efficientnet-dgl:128:64 "$VISION" --sweep-configs '' ;;
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
       --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
@@ -47,7 +97,7 @@ case "$1" in
       --stress-steps 300 --configs mlp-towers:512:1024:2048:6 --variants inductor+graph \
       --trials 1 | tee "$OUT/check_cuda-towers.log" || true
     python3 -m bench.run --budget-s 330 --out "$OUT/bench-towers.json" --streams '' \
-      --configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 \
+      --configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 --variants "$CLASSIC" \
       --sweep-configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 ;;
   paper-ctr-a)
     timeout 580 python3 -m bench.paper.ctr --seed 0 --seeds 3 --budget-s 480 \

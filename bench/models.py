@@ -20,7 +20,14 @@ add a top head over the detached tower outputs (the last block): then the
 towers' backward and the front's run early as one block in pieces, each
 tower's part as soon as that tower is ready.
 
-A config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
+A chain config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
+
+``gpt:B:d:T:K`` (`GPTConfig`, `GPTChain`): a token embedding, then K
+detached pre-LN transformer blocks (causal SDPA attention, MLP), each with
+a local LM head (LayerNorm, linear to a vocabulary of 8192, cross-entropy on
+the next tokens); d/64 heads; bf16 autocast. ``tv-<name>:B:image``: the
+torchvision models of `bench.vision`. `parse_config` reads every kind, and
+`build_config` gives a config's model and batch.
 """
 from __future__ import annotations
 
@@ -229,3 +236,170 @@ def ctr_factory():
     """``erase-fx explain|profile bench.models:ctr_factory``: the ctr:4096:1024:2048:6 chain."""
     cfg = ChainConfig.parse("ctr:4096:1024:2048:6")
     return DetachedChain(cfg), make_inputs(cfg, torch.device("cpu"))
+
+
+# -- gpt: detached transformer blocks with local LM heads ---------------------------
+
+GPT_VOCAB = 8192
+GPT_HEAD_DIM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """``gpt:B:d:T:K``: batch B of T tokens, width d (d/64 heads), K detached blocks."""
+
+    batch: int
+    d: int
+    seq: int
+    blocks: int
+    kind = "gpt"
+
+    @classmethod
+    def parse(cls, text: str) -> GPTConfig:
+        kind, *numbers = text.split(":")
+        if kind != "gpt" or len(numbers) != 4:
+            raise ValueError(f"config {text!r} is not gpt:B:d:T:K")
+        cfg = cls(*(int(n) for n in numbers))
+        if cfg.d % GPT_HEAD_DIM:
+            raise ValueError(f"config {text!r}: d must be a multiple of {GPT_HEAD_DIM} "
+                             f"(heads of {GPT_HEAD_DIM})")
+        return cfg
+
+    @property
+    def heads(self) -> int:
+        return self.d // GPT_HEAD_DIM
+
+    def __str__(self) -> str:
+        return f"gpt:{self.batch}:{self.d}:{self.seq}:{self.blocks}"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` (MLP 4d, GELU)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTChain(nn.Module):
+    """Token and position embeddings, then K transformer blocks, each with a local LM head.
+
+    Block k+1 reads block k's output detached; every block's head
+    (LayerNorm, ``Linear(d, 8192)``) has its own next-token cross-entropy;
+    the loss is their sum. The embeddings train through block 0's loss.
+
+    Precision: fp32 parameters under bf16 autocast inside the forward
+    (``amp_dtype``), the usual mixed-precision training (Adam keeps fp32
+    state, the logits are bf16 and the cross-entropy runs in fp32, as
+    autocast puts it); ``amp_dtype=None`` runs fp32 (CPU tests).
+    """
+
+    def __init__(self, cfg: GPTConfig, amp_dtype: torch.dtype | None = torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        self.amp_dtype = amp_dtype
+        self.embed = nn.Embedding(GPT_VOCAB, cfg.d)
+        self.position = nn.Embedding(cfg.seq, cfg.d)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg.d, cfg.heads) for _ in range(cfg.blocks))
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(cfg.d), nn.Linear(cfg.d, GPT_VOCAB, bias=False))
+            for _ in range(cfg.blocks))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(tokens.device.type, dtype=self.amp_dtype or torch.bfloat16,
+                            enabled=self.amp_dtype is not None):
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.embed(tokens) + self.position(positions)
+            loss = None
+            for k, (block, head) in enumerate(zip(self.blocks, self.heads)):
+                h = block(h if k == 0 else h.detach())
+                logits = head(h)
+                local = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss = local if loss is None else loss + local
+        return loss
+
+
+def gpt_inputs(cfg: GPTConfig, device: torch.device, generator: torch.Generator | None = None):
+    """(tokens, next tokens): random token ids, ``[B, T]`` each."""
+    tokens = torch.randint(0, GPT_VOCAB, (cfg.batch, cfg.seq + 1), device=device,
+                           generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def gpt_flops(cfg: GPTConfig) -> int:
+    """Matrix FLOPs of a step: 6 x tokens x multiply-adds per token (attention causal: half)."""
+    d, t = cfg.d, cfg.seq
+    per_block = 12 * d * d + d * GPT_VOCAB + t * d  # qkv+proj 4d², MLP 8d², head, QK and AV / 2
+    return 6 * cfg.batch * t * cfg.blocks * per_block
+
+
+# -- every config kind ----------------------------------------------------------------
+
+
+def parse_config(text: str):
+    """A `ChainConfig`, `GPTConfig` or `bench.vision.VisionConfig` from its text."""
+    kind = text.split(":")[0]
+    if kind == "gpt":
+        return GPTConfig.parse(text)
+    if kind.startswith("tv-"):
+        from bench.vision import VisionConfig
+
+        return VisionConfig.parse(text)
+    if kind in KINDS:
+        return ChainConfig.parse(text)
+    from bench.vision import VISION_NAMES
+
+    raise ValueError(f"config {text!r}: kind {kind!r} is not one of {', '.join(KINDS)} "
+                     f"(kind:B:d:h:K), gpt (gpt:B:d:T:K), {', '.join(VISION_NAMES)} "
+                     f"(name:B:image)")
+
+
+def build_config(cfg, device: torch.device, generator: torch.Generator | None = None):
+    """``(model, inputs)`` of any config: the model on ``device`` in train mode, one batch."""
+    if isinstance(cfg, ChainConfig):
+        return DetachedChain(cfg).to(device), make_inputs(cfg, device, generator)
+    if isinstance(cfg, GPTConfig):
+        return GPTChain(cfg).to(device), gpt_inputs(cfg, device, generator)
+    from bench.vision import build_vision
+
+    return build_vision(cfg.name, cfg.batch, cfg.image, device=device, generator=generator)
+
+
+def config_flops(cfg) -> int | None:
+    """Matrix FLOPs of one step, where counted (chains and gpt; None for vision)."""
+    if isinstance(cfg, ChainConfig):
+        return step_flops(cfg)
+    if isinstance(cfg, GPTConfig):
+        return gpt_flops(cfg)
+    return None
+
+
+def is_random(cfg) -> bool:
+    """Dropout or stochastic depth in the model: gradients differ from eager's by sampling."""
+    return bool(getattr(cfg, "random", False))
+
+
+def takes_paper_scheme(cfg) -> bool:
+    """The paper's eager scheme (`PaperSchedule`) needs a detached chain."""
+    return isinstance(cfg, ChainConfig) and not cfg.towers

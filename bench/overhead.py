@@ -3,8 +3,9 @@
 On small models a step replayed from CUDA graphs is bound by the CPU work
 around the replays (AOTAutograd's wrappers, the autograd engine, copies into
 static buffers, gradient clones). This profiles that work with cProfile for
-each variant, side by side, and prints the functions with the most own time.
-Needs a GPU.
+each variant (`bench.harness`'s names: ``reduce-overhead``, ``erase+graphs``,
+``erase+step``, ...), side by side, and prints the functions with the most
+own time. Needs a GPU.
 """
 from __future__ import annotations
 
@@ -17,22 +18,17 @@ import time
 
 import torch
 
-from bench.check_cuda import VARIANTS
-from bench.models import ChainConfig, DetachedChain, make_inputs
+from bench.harness import build_step
+from bench.models import build_config, parse_config
 
 
-def profile_variant(cfg: ChainConfig, name: str, steps: int, top: int,
+def profile_variant(cfg, name: str, steps: int, top: int,
                     trace_dir: str | None = None) -> None:
     torch._dynamo.reset()
     device = torch.device("cuda")
-    model = DetachedChain(cfg).to(device)
-    inputs = make_inputs(cfg, device)
-    fn = VARIANTS[name](model)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        fn(*inputs).backward()
-
+    torch.manual_seed(0)
+    model, inputs = build_config(cfg, device)
+    step = build_step(name, model, inputs).step
     for _ in range(10):
         step()
     torch.cuda.synchronize()
@@ -54,7 +50,7 @@ def profile_variant(cfg: ChainConfig, name: str, steps: int, top: int,
           f"(no profiler); cProfile over {steps} steps, by own time:")
     print(out.getvalue())
     if trace_dir:
-        trace_steps(step, f"{trace_dir}/{name.replace('+', '_')}.json", top)
+        trace_steps(step, f"{trace_dir}/{name.replace('+', '_').replace('/', '_')}.json", top)
 
 
 def trace_steps(step, path: str, top: int, steps: int = 10) -> None:
@@ -75,13 +71,14 @@ def trace_steps(step, path: str, top: int, steps: int = 10) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="mlp:128:2000:2000:4")
+    parser.add_argument("--config", default="mlp:128:2000:2000:4",
+                        help="any bench.run config (bench.models.parse_config)")
     parser.add_argument("--variants", default="reduce-overhead,erase+graphs")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--trace-dir", help="also run torch.profiler and write Chrome traces here")
     args = parser.parse_args(argv)
-    cfg = ChainConfig.parse(args.config)
+    cfg = parse_config(args.config)
     for name in args.variants.split(","):
         profile_variant(cfg, name, args.steps, args.top, args.trace_dir)
     return 0

@@ -1,39 +1,63 @@
 """The GPU benchmark: every variant of every config, side by side, in one run.
 
-``python -m bench.run`` times one training step (forward and backward) of
-the detached chains in `bench.models` under each variant:
+``python -m bench.run`` times one training step of each config under each
+variant. Variant names follow one grammar (`bench.harness`):
 
 - ``eager``: the model as written;
 - ``paper``: the ERASE paper's eager scheme (`PaperSchedule`): each block's
-  forward and ``loss.backward()`` on a side stream inside the forward;
+  forward and ``loss.backward()`` on a side stream inside the forward
+  (detached chains only);
 - ``inductor``: ``torch.compile(model)``;
 - ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``;
 - ``inductor+graph``: ``torch.compile(model)`` with the whole step captured
   by hand in one ``torch.cuda.CUDAGraph`` (the strongest plain baseline);
+- ``inductor+step``: ``torch.compile(model)`` inside ``erase_fx.compile_step``
+  (the whole step captured by the product API instead of by hand);
 - ``erase``: ``backend="erase"``, Inductor inside, no CUDA graphs;
-- ``erase+graphs``: ``backend="erase"`` with its CUDA graphs;
+- ``erase+graphs``: ``backend="erase"`` with its CUDA graphs (the default);
 - ``erase+step-graph``: ``backend="erase"`` (its own CUDA graphs off) with
-  the whole step captured by hand in one ``torch.cuda.CUDAGraph``, exactly
-  as ``inductor+graph``: the schedule's worth once the CPU is out of the way;
-- ``erase+graphs/streams=N`` (``--streams``): erase+graphs with N side streams,
-  and ``erase+graphs/one-stream``, ``erase+step-graph/one-stream``: every
-  segment on the main stream (no overlap: what the schedule alone is worth).
+  the whole step captured by hand, exactly as ``inductor+graph``: the
+  schedule's worth once the CPU is out of the way;
+- ``erase+step``: the same inside ``erase_fx.compile_step``;
+- ``+adam`` forms (``inductor+graph+adam``, ``inductor+step+adam``,
+  ``erase+step+adam``, ...): Adam's update (``foreach=True, capturable=True``)
+  inside the step;
+- controls: ``erase+graphs/streams=N`` (``--streams``), and ``/one-stream``
+  forms (``erase+graphs/one-stream``, ``erase+step-graph/one-stream``,
+  ``erase+step/one-stream``): the backend's ``overlap=False``, every segment
+  on the main stream (what the overlap alone is worth).
+
+Configs (`bench.models.parse_config`): detached chains ``kind:B:d:h:K``
+(`CONFIGS`, the default; towers too), transformer chains ``gpt:B:d:T:K``
+(`GPT_CONFIGS`), torchvision models ``tv-<name>:B:image`` (`VISION_CONFIGS`,
+`bench.vision`; skipped, with a line saying so, where torchvision is not
+importable).
 
 Each row: the median, min and max over trials of the mean step time of
-``--steps-per-trial`` steps (CUDA events, after warm-up), peak memory
-allocated while timing, compile time (first calls: compile and capture),
-the largest relative gradient error of any parameter against eager on the
-first step (tf32 off for that step; Inductor variants differ from eager by
-Inductor's own rounding, about 1e-3 here, and ``bench.check_cuda`` holds
-erase to stock Inductor instead), and achieved TFLOP/s (matrix FLOPs).
-Timing runs with tf32 on. Writes ``bench/results/<date>-<gpu>.json`` and a
-Markdown table beside it; prints a progress line per variant. Needs a GPU.
+``--steps-per-trial`` steps (CUDA events, after warm-up and capture), memory
+(`bench.harness.StepMemory`: the absolute peak; the step's own peak above
+what was allocated before the timed steps; what the compiled program keeps
+between steps (graph pools, static buffers) beyond the model's parameters,
+buffers, grads and optimizer state; their sum, the judged figure), compile
+time (first calls: compile, warm-up and capture), the largest relative
+gradient error of any parameter against eager on the first step (tf32 off
+for that step; Inductor variants differ from eager by Inductor's own
+rounding, about 1e-3 here, and ``bench.check_cuda`` holds erase to stock
+Inductor instead; models with dropout or stochastic depth sample other masks,
+marked random), achieved TFLOP/s (matrix FLOPs, where counted), and for
+``+step`` rows ``compile_step``'s captures, replays and reason for not
+capturing. A variant that raises gives a row with its error; the run goes
+on. Timing runs with tf32 and cudnn.benchmark on. Writes
+``bench/results/<date>-<gpu>.json`` and a Markdown table beside it, with
+each erase row's ratios to its stock variants (`Variant.stock`) and the
+targets (`TIME_TARGETS`, `memory_targets`) judged on ratios of this run;
+prints a progress line per variant. Needs a GPU.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import dataclasses
 import datetime
 import gc
 import json
@@ -44,104 +68,77 @@ from pathlib import Path
 
 import torch
 
-from bench.check_cuda import OneStream, compile_erase, grads_of, max_rel_err, time_steps
-from bench.check_cuda import whole_step_graph
-from bench.models import ChainConfig, DetachedChain, PaperSchedule, make_inputs, step_flops
+from bench.harness import (WARMUP_STEPS, StepMemory, Variant, build_step, canonical, grads_of,
+                           judged_erase, max_rel_err, set_tf32, time_steps)
+from bench.models import build_config, config_flops, is_random, parse_config, takes_paper_scheme
+from bench.vision import VISION_CONFIGS
 
 CONFIGS = ("ctr:1024:512:1024:6", "mlp:512:1024:2048:6", "mlp:128:2000:2000:4",
            "ctr:4096:1024:2048:6", "ctr:16384:1024:2048:6")
-VARIANTS = ("eager", "paper", "inductor", "reduce-overhead", "inductor+graph", "erase",
-            "erase+graphs", "erase+step-graph")
-#: The variants whose step is captured whole, by hand, in one CUDA graph.
-STEP_GRAPHS = ("inductor+graph", "erase+step-graph")
-#: The erase variants judged against the targets.
-JUDGED = ("erase+graphs", "erase+step-graph")
 SMALL = CONFIGS[:3]
+GPT_CONFIGS = ("gpt:8:768:1024:6", "gpt:16:384:256:8")
+#: The configs of the memory targets: where activations, not weights, fill the device.
+MEMORY_CONFIGS = (*GPT_CONFIGS, "ctr:16384:1024:2048:6")
+VARIANTS = ("eager", "paper", "inductor", "reduce-overhead", "inductor+graph", "inductor+step",
+            "erase", "erase+graphs", "erase+step-graph", "erase+step")
+ADAM_VARIANTS = ("inductor+graph+adam", "inductor+step+adam", "erase+step+adam")
+#: The erase forms that get a ``/one-stream`` row on the sweep configs (when asked for).
+ONE_STREAM_FORMS = ("erase+graphs", "erase+step-graph", "erase+step")
 RESULTS = Path(__file__).parent / "results"
 
 
-def build_step(name: str, model: DetachedChain, inputs):
-    """A callable running one training step of ``model`` under variant ``name``."""
-    if name == "eager":
-        fn = model
-    elif name == "paper":
-        fn = PaperSchedule(model)
-    elif name == "inductor":
-        fn = torch.compile(model)
-    elif name == "reduce-overhead":
-        fn = torch.compile(model, mode="reduce-overhead")
-    elif name.split("/")[0] in STEP_GRAPHS:
-        raise ValueError(f"{name} is built by measure(): it captures a compiled step")
-    elif name == "erase":
-        fn = compile_erase(model, inner="inductor", cudagraphs=False)
-    elif name.startswith("erase+graphs"):
-        streams = re.fullmatch(r"erase\+graphs(?:/streams=(\d+)|/one-stream)?", name)
-        if streams is None:
-            raise ValueError(f"unknown variant {name!r}")
-        options = {"streams": int(streams.group(1))} if streams.group(1) else {}
-        fn = compile_erase(model, inner="inductor", cudagraphs=True, **options)
-    else:
-        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        fn(*inputs).backward()
-
-    return step
-
-
-def set_tf32(on: bool) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = on
-    torch.backends.cudnn.allow_tf32 = on
-
-
-def measure(cfg: ChainConfig, name: str, base: DetachedChain, inputs, reference, args) -> dict:
-    """One row: build the variant, check its first step, time it."""
+def measure(cfg, name: str, base, inputs, reference, args) -> dict:
+    """One row: build the variant, check its first step, warm it up, time it, weigh it."""
+    variant = Variant.parse(name)
     torch._dynamo.reset()
-    model = copy.deepcopy(base)
-    one_stream = OneStream() if name.endswith("/one-stream") else contextlib.nullcontext()
-    start = time.perf_counter()
-    with one_stream:
-        set_tf32(False)
-        if name.split("/")[0] in STEP_GRAPHS:
-            if name == "inductor+graph":
-                fn = torch.compile(model)
-            else:
-                fn = compile_erase(model, inner="inductor", cudagraphs=False)
-            fn(*inputs).backward()  # compiles; the graph below captures the same function
-            err = max_rel_err(reference, grads_of(model))
-            set_tf32(True)
-            step = whole_step_graph(model, fn, inputs)
-        else:
-            step = build_step(name, model, inputs)
-            step()  # compiles; the CUDA graph variants warm up here (no capture yet)
-            err = max_rel_err(reference, grads_of(model))
-            set_tf32(True)
-            step()  # the CUDA graph variants capture here
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - start
-        torch.cuda.reset_peak_memory_stats()
-        median, low, high = time_steps(step, args.trials, args.steps_per_trial, warmup=5)
-        peak = torch.cuda.max_memory_allocated()
-    del step, model
     gc.collect()
     torch.cuda.empty_cache()
+    memory = StepMemory()
+    memory.start()
+    model = copy.deepcopy(base)
+    errors = []
+
+    def after_first():
+        errors.append(max_rel_err(reference, grads_of(model)))
+        set_tf32(True)
+
+    start = time.perf_counter()
+    set_tf32(False)
+    built = build_step(variant, model, inputs, after_first=after_first)
+    for _ in range(WARMUP_STEPS):
+        built.step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    memory.before_timing()
+    median, low, high = time_steps(built.step, args.trials, args.steps_per_trial)
+    weighed = memory.finish(model, built.optimizer)
+    flops = config_flops(cfg)
     row = {
         "config": str(cfg), "variant": name, "ms_median": median, "ms_min": low, "ms_max": high,
-        "peak_mem_bytes": peak, "compile_s": compile_s, "grad_max_rel_err": err,
-        "tflops": step_flops(cfg) / (median * 1e-3) / 1e12,
+        **weighed, "compile_s": compile_s, "grad_max_rel_err": errors[0],
+        "grad_random": is_random(cfg),
+        "tflops": None if flops is None else flops / (median * 1e-3) / 1e12,
+        **built.capture_info(),
     }
-    print(f"  {cfg} {name:26s} {median:8.3f} ms (min {low:.3f}, max {high:.3f}) "
-          f"{row['tflops']:6.1f} TFLOP/s, peak {peak / 2**20:6.0f} MiB, "
-          f"compile {compile_s:5.1f} s, grad err {err:.1e}", flush=True)
+    del built, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    row["workspace_bytes"] = memory.workspaces()
+    print(f"  {cfg} {name:28s} {median:8.3f} ms (min {low:.3f}, max {high:.3f}) "
+          f"{_tflops(row['tflops'])} TFLOP/s, peak {_mib(row['peak_mem_bytes'])} MiB, "
+          f"step {_mib(row['mem_bytes'])} MiB (kept {_mib(row['kept_bytes'])}), "
+          f"compile {compile_s:5.1f} s, grad err {errors[0]:.1e}{_notes(row)}", flush=True)
     return row
 
 
-def run_config(cfg: ChainConfig, variants, args, out_of_time=lambda: False) -> list[dict]:
+def run_config(cfg, variants, args, out_of_time=lambda: False) -> list[dict]:
     device = torch.device("cuda")
     torch.manual_seed(0)
-    base = DetachedChain(cfg).to(device)
-    inputs = make_inputs(cfg, device, torch.Generator(device=device).manual_seed(0))
+    try:
+        base, inputs = build_config(cfg, device, torch.Generator(device=device).manual_seed(0))
+    except ImportError as error:
+        print(f"  {cfg}: skipped, {error}", flush=True)
+        return []
     set_tf32(False)
     reference_model = copy.deepcopy(base)
     reference_model(*inputs).backward()
@@ -152,97 +149,240 @@ def run_config(cfg: ChainConfig, variants, args, out_of_time=lambda: False) -> l
         if out_of_time():
             print(f"  {cfg} {name}: skipped, --budget-s spent", flush=True)
             continue
-        if name == "paper" and cfg.towers:
+        if name == "paper" and not takes_paper_scheme(cfg):
             print(f"  {cfg} {name}: skipped, the paper's scheme needs a detached chain",
                   flush=True)
             continue
-        rows.append(measure(cfg, name, base, inputs, reference, args))
+        try:
+            rows.append(measure(cfg, name, base, inputs, reference, args))
+        except Exception as error:  # NB: one failing variant must not lose the others' rows
+            message = f"{type(error).__name__}: {error}".splitlines()[0][:400]
+            print(f"  {cfg} {name}: FAILED {message}", flush=True)
+            rows.append({"config": str(cfg), "variant": name, "error": message})
+            torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
-# -- the targets of the GPU issue, judged on ratios measured in this run ----------
+# -- the targets, judged on ratios measured in this run -------------------------------
 
 
-def ratio(rows, config, variant, baseline) -> float | None:
-    times = {(r["config"], r["variant"]): r["ms_median"] for r in rows}
-    if (config, variant) not in times or (config, baseline) not in times:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """``variant`` at most ``limit`` times ``baseline`` (step time, or step memory) ``where``."""
+
+    variant: str
+    baseline: str
+    limit: float
+    where: str  # small | elsewhere | everywhere | memory | not-memory | a config prefix
+    measure: str = "time"  # time: ms_median; memory: mem_bytes
+
+    def applies(self, config: str) -> bool:
+        if self.where == "small":
+            return config in SMALL
+        if self.where == "elsewhere":
+            return config not in SMALL
+        if self.where == "everywhere":
+            return True
+        if self.where == "memory":
+            return is_memory_config(config)
+        if self.where == "not-memory":
+            return not is_memory_config(config)
+        return config.startswith(self.where)
+
+
+TIME_TARGETS = (
+    # erase's own graphs, no change to the training loop
+    Target("erase+graphs", "inductor+graph", 0.85, "small"),
+    Target("erase+graphs", "reduce-overhead", 0.85, "small"),
+    Target("erase+graphs", "inductor+graph", 0.97, "ctr:4096:"),
+    Target("erase+graphs", "inductor+graph", 1.00, "ctr:16384:"),
+    # the whole step captured by hand
+    Target("erase+step-graph", "inductor+graph", 0.85, "small"),
+    Target("erase+step-graph", "inductor+graph", 0.97, "ctr:4096:"),
+    Target("erase+step-graph", "inductor+graph", 1.00, "ctr:16384:"),
+    # the whole step through compile_step
+    Target("erase+step", "inductor+step", 0.78, "small"),
+    Target("erase+step", "inductor+step", 1.00, "elsewhere"),
+    Target("erase+step+adam", "inductor+step+adam", 0.85, "small"),
+    Target("erase+step+adam", "inductor+step+adam", 1.00, "elsewhere"),
+    # compile_step against the hand capture of the same compiled model
+    Target("inductor+step", "inductor+graph", 1.02, "everywhere"),
+    Target("erase+step", "erase+step-graph", 1.02, "everywhere"),
+    Target("inductor+step+adam", "inductor+graph+adam", 1.02, "everywhere"),
+    Target("erase+step+adam", "erase+step-graph+adam", 1.02, "everywhere"),
+)
+#: The memory limits: erase's step memory against each of its stock variants'.
+MEMORY_LIMIT, MEMORY_LIMIT_HEAVY = 1.0, 0.6
+
+
+def is_memory_config(config: str) -> bool:
+    """gpt configs and ctr:16384: activations dominate, so early frees must show."""
+    return config.startswith("gpt:") or config.startswith("ctr:16384:")
+
+
+def memory_targets(rows) -> list[Target]:
+    """Every judged erase variant of the rows against each of its stock variants (memory)."""
+    targets = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        if not judged_erase(name):
+            continue
+        for stock in Variant.parse(name).stock():
+            targets.append(Target(name, stock, MEMORY_LIMIT_HEAVY, "memory", "memory"))
+            targets.append(Target(name, stock, MEMORY_LIMIT, "not-memory", "memory"))
+    return targets
+
+
+def _measured(rows) -> dict:
+    return {(r["config"], r["variant"]): r for r in rows if "error" not in r}
+
+
+def ratio(rows, config, variant, baseline, key: str = "ms_median") -> float | None:
+    """``variant``'s ``key`` over ``baseline``'s on ``config``, None where either is missing."""
+    measured = _measured(rows)
+    a, b = measured.get((config, variant)), measured.get((config, baseline))
+    if a is None or b is None or a.get(key) is None or b.get(key) is None or b[key] <= 0:
         return None
-    return times[(config, variant)] / times[(config, baseline)]
+    return a[key] / b[key]
 
 
 def judge_targets(rows) -> list[dict]:
-    """The erase variants against the targets: ratios from this run, met or missed."""
-    return [dict(t, variant=variant) for variant in JUDGED
-            for t in _judge_variant(rows, variant)]
-
-
-def _judge_variant(rows, variant: str) -> list[dict]:
-    targets = []
-    for config in CONFIGS:
-        limits = []
-        if config in SMALL:
-            limits = [("inductor+graph", 0.85), ("reduce-overhead", 0.75)]
-        elif config.startswith("ctr:4096"):
-            limits = [("inductor+graph", 0.97)]
-        elif config.startswith("ctr:16384"):
-            limits = [("inductor+graph", 1.0)]
-        for baseline, limit in limits:
-            value = ratio(rows, config, variant, baseline)
+    """The targets met or missed: ratios from this run, in `TIME_TARGETS` then memory order."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    judged = []
+    for target in (*TIME_TARGETS, *memory_targets(rows)):
+        key = "ms_median" if target.measure == "time" else "mem_bytes"
+        for config in configs:
+            if not target.applies(config):
+                continue
+            value = ratio(rows, config, target.variant, target.baseline, key)
             if value is not None:
-                targets.append({"config": config, "vs": baseline, "ratio": value,
-                                "limit": limit, "met": value <= limit})
-        peaks = {r["variant"]: r["peak_mem_bytes"] for r in rows if r["config"] == config}
-        if variant in peaks and "inductor" in peaks:
-            value = peaks[variant] / peaks["inductor"]
-            targets.append({"config": config, "vs": "inductor peak memory", "ratio": value,
-                            "limit": 1.0, "met": value <= 1.0})
-    return targets
+                judged.append({"variant": target.variant, "config": config,
+                               "vs": target.baseline, "measure": target.measure,
+                               "ratio": value, "limit": target.limit,
+                               "met": value <= target.limit})
+    return judged
+
+
+# -- the results file -----------------------------------------------------------------
+
+
+COLUMNS = ("config", "variant", "ms median", "min", "max", "vs inductor+graph",
+           "vs reduce-overhead", "vs stock", "TFLOP/s", "peak MiB", "step peak MiB", "kept MiB",
+           "step memory MiB", "memory vs stock", "compile s", "grad max rel err vs eager", "notes")
 
 
 def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
     lines = [
         f"# erase_fx GPU benchmark, {meta['date']}",
         "",
-        f"{meta['gpu']}, torch {meta['torch']}, tf32 on; one training step (forward and "
-        f"backward); median, min and max of {meta['trials']} trials of "
-        f"{meta['steps_per_trial']} steps (CUDA events). Command: `{meta['command']}`.",
+        f"{meta['gpu']}, torch {meta['torch']}, tf32 on; one training step (forward, "
+        f"backward, and Adam's update in +adam rows); median, min and max of "
+        f"{meta['trials']} trials of {meta['steps_per_trial']} steps (CUDA events). "
+        f"Command: `{meta['command']}`.",
         "",
-        "| config | variant | ms median | min | max | vs inductor+graph | vs reduce-overhead "
-        "| TFLOP/s | peak MiB | compile s | grad max rel err vs eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Memory: peak = `max_memory_allocated` over the timed steps; step peak = that minus "
+        "what was allocated before them; kept = what the compiled program holds between steps "
+        "(graph pools, static buffers) beyond the model's parameters, buffers, grads and "
+        "optimizer state (cuBLAS workspaces of the streams it uses included, cleared before "
+        "each row; notes give their share); step memory = kept + step peak (judged). vs "
+        "stock: ratio to each stock variant the row is compared with.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
     for r in rows:
-        vs_graph = ratio(rows, r["config"], r["variant"], "inductor+graph")
-        vs_reduce = ratio(rows, r["config"], r["variant"], "reduce-overhead")
-        lines.append(
-            f"| {r['config']} | {r['variant']} | {r['ms_median']:.3f} | {r['ms_min']:.3f} | "
-            f"{r['ms_max']:.3f} | {_x(vs_graph)} | {_x(vs_reduce)} | {r['tflops']:.1f} | "
-            f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['compile_s']:.1f} | "
-            f"{r['grad_max_rel_err']:.1e} |")
-    lines += ["", "Targets (ratios of medians in this run):", "",
-              "| variant | config | against | ratio | target | |", "|---|---|---|---|---|---|"]
+        if "error" in r:
+            cells = [r["config"], r["variant"], *["-"] * (len(COLUMNS) - 3),
+                     f"failed: {r['error'][:200]}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        config, variant = r["config"], r["variant"]
+        err = r.get("grad_max_rel_err")
+        err_text = "-" if err is None else f"{err:.1e}" + (" (random)" if r.get("grad_random")
+                                                           else "")
+        cells = [
+            config, variant, f"{r['ms_median']:.3f}", f"{r['ms_min']:.3f}", f"{r['ms_max']:.3f}",
+            _x(ratio(rows, config, variant, "inductor+graph")),
+            _x(ratio(rows, config, variant, "reduce-overhead")),
+            _vs_stock(rows, r, "ms_median"), _tflops(r.get("tflops")).strip(),
+            _mib(r.get("peak_mem_bytes")), _mib(r.get("step_peak_bytes")),
+            _mib(r.get("kept_bytes")), _mib(r.get("mem_bytes")), _vs_stock(rows, r, "mem_bytes"),
+            f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-", err_text,
+            _notes(r).lstrip(", ") or "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Targets (ratios of medians, and of step memory, in this run):", "",
+              "| variant | config | against | measure | ratio | target | |",
+              "|---|---|---|---|---|---|---|"]
     for t in targets:
-        lines.append(f"| {t['variant']} | {t['config']} | {t['vs']} | {t['ratio']:.2f} | "
-                     f"<= {t['limit']:.2f} | {'met' if t['met'] else 'MISSED'} |")
+        lines.append(f"| {t['variant']} | {t['config']} | {t['vs']} | "
+                     f"{t.get('measure', 'time')} | {t['ratio']:.2f} | <= {t['limit']:.2f} | "
+                     f"{'met' if t['met'] else 'MISSED'} |")
     return "\n".join(lines) + "\n"
+
+
+def _vs_stock(rows, r, key: str) -> str:
+    try:
+        stock = Variant.parse(r["variant"]).stock()
+    except ValueError:
+        return "-"
+    parts = [f"{value:.2f}x {s}" for s in stock
+             if (value := ratio(rows, r["config"], r["variant"], s, key)) is not None]
+    return "; ".join(parts) or "-"
+
+
+def _notes(r: dict) -> str:
+    text = ""
+    if r.get("workspace_bytes"):
+        text += f", kept has {_mib(r['workspace_bytes'])} MiB of cuBLAS workspaces"
+    if "captures" in r:
+        text += f", captures {r.get('captures')}, replays {r.get('replays')}"
+    if r.get("uncaptured_reason"):
+        text += f", not captured: {str(r['uncaptured_reason'])[:160]}"
+    return text
 
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _tflops(value: float | None) -> str:
+    return "     -" if value is None else f"{value:6.1f}"
+
+
+def variants_for(config: str, variants: list[str], args) -> list[str]:
+    """The rows of a config: the asked-for variants, plus the sweep's controls on sweep configs."""
+    if config not in args.sweep_configs.split(","):
+        return list(variants)
+    sweep = []
+    if "erase+graphs" in variants:
+        sweep += [f"erase+graphs/streams={n}" for n in args.streams.split(",") if n]
+    sweep += [f"{form}/one-stream" for form in ONE_STREAM_FORMS if form in variants]
+    return [*variants, *(v for v in sweep if v not in variants)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="kind:B:d:h:K, comma-separated, kind one of ctr, mlp (detached "
+                        help="comma-separated; kind:B:d:h:K with kind one of ctr, mlp (detached "
                              "chains), ctr-towers, mlp-towers (towers over a shared front), "
                              "ctr-towers-top, mlp-towers-top (and a top head over the detached "
-                             "towers; default: the five chains of the issue)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+                             "towers); gpt:B:d:T:K (detached transformer blocks, local LM "
+                             "heads); tv-<name>:B:image (torchvision models: "
+                             f"{', '.join(VISION_CONFIGS)}). Default: the five chains")
+    parser.add_argument("--variants", default=",".join((*VARIANTS, *ADAM_VARIANTS)),
+                        help="comma-separated variant names (bench.harness's grammar: "
+                             "compiler[+capture][+adam][/control])")
     parser.add_argument("--streams", default="1,2,8",
                         help="extra erase+graphs rows with these side-stream counts ('' for "
-                        "none); the sweep configs also get one-stream rows of erase+graphs "
-                        "and erase+step-graph")
+                        "none); the sweep configs also get /one-stream rows of erase+graphs, "
+                        "erase+step-graph and erase+step (those asked for)")
     parser.add_argument("--sweep-configs", default=",".join(CONFIGS[:4]),
                         help="configs that get the stream-count and one-stream rows ('' for "
                         "none)")
@@ -260,34 +400,43 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
+    try:
+        configs = [parse_config(text) for text in args.configs.split(",") if text]
+        variants = [canonical(v) for v in args.variants.split(",") if v]
+        for name in variants:
+            Variant.parse(name)
+    except ValueError as error:
+        print(f"bench.run: {error}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench.run needs a CUDA GPU", file=sys.stderr)
         return 2
+    torch.backends.cudnn.benchmark = True
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     words = sys.argv[1:] if argv is None else argv
     meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "trials": args.trials,
-            "steps_per_trial": args.steps_per_trial, "tf32": True,
+            "steps_per_trial": args.steps_per_trial, "tf32": True, "cudnn_benchmark": True,
             "command": " ".join(["python -m bench.run", *words])}
     print(f"torch {meta['torch']} on {gpu}", flush=True)
-    sweep = [f"erase+graphs/streams={n}" for n in args.streams.split(",") if n]
-    sweep += ["erase+graphs/one-stream", "erase+step-graph/one-stream"]
-    out = args.out or RESULTS / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+    out = args.out or RESULTS / f"{date}-{_slug(gpu)}.json"
     start = time.perf_counter()
 
     def out_of_time() -> bool:
         return args.budget_s is not None and time.perf_counter() - start > args.budget_s
 
     rows = []
-    for text in args.configs.split(","):
-        variants = args.variants.split(",")
-        if text in args.sweep_configs.split(","):
-            variants += sweep
-        print(f"{text}: {len(variants)} variants", flush=True)
-        rows += run_config(ChainConfig.parse(text), variants, args, out_of_time)
+    for cfg in configs:
+        names = variants_for(str(cfg), variants, args)
+        print(f"{cfg}: {len(names)} variants", flush=True)
+        rows += run_config(cfg, names, args, out_of_time)
         write(out, meta, rows, quiet=True)  # NB: a killed run keeps what it measured
     write(out, meta, rows)
     return 0
+
+
+def _slug(gpu: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
 
 
 def write(out: Path, meta: dict, rows: list[dict], quiet: bool = False) -> None:
@@ -311,9 +460,9 @@ def merge(parts: list[Path], out: Path | None) -> int:
                   file=sys.stderr)
             return 2
     meta = dict(first, command=" ; ".join(part["meta"]["command"] for part in loaded))
-    slug = re.sub(r"[^a-z0-9]+", "-", first["gpu"].lower()).strip("-")
-    write(out or RESULTS / f"{first['date']}-{slug}.json", meta,
-          [row for part in loaded for row in part["rows"]])
+    rows = [dict(row, variant=canonical(row["variant"])) for part in loaded
+            for row in part["rows"]]
+    write(out or RESULTS / f"{first['date']}-{_slug(first['gpu'])}.json", meta, rows)
     return 0
 
 

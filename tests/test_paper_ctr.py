@@ -42,13 +42,13 @@ def test_ctr_results_follow_the_contract_and_erase_equals_eager(tmp_path):
     assert "includes the final parameters" not in payload["tables"][0]["caption"]
 
     runs = {run["variant"]: run for run in payload["data"]["runs"]}
-    assert list(runs) == ["baseline", "eager", "erase-aot_eager"]
+    assert list(runs) == ["baseline", "eager", "erase/aot_eager"]
     assert all(run["error"] is None for run in runs.values())
-    eager, erase = runs["eager"], runs["erase-aot_eager"]
+    eager, erase = runs["eager"], runs["erase/aot_eager"]
     assert len(eager["losses"]) == 10
     assert erase["losses"] == eager["losses"]
     assert erase["ne_curve"] == eager["ne_curve"]
-    exact = payload["data"]["exactness"]["erase-aot_eager vs eager"]
+    exact = payload["data"]["exactness"]["erase/aot_eager vs eager"]
     assert exact["max_train_loss_diff"] == 0.0
     assert exact["final_ne_diff"] == 0.0
     assert exact["max_param_diff"] == 0.0
@@ -63,7 +63,7 @@ def test_ctr_results_follow_the_contract_and_erase_equals_eager(tmp_path):
         assert all(row["local_loss"] > 0 for row in run["audit"])
     # the detached front learns from block 1's loss only; the baseline's from all of them
     front = {run["variant"]: run["audit"][0]["loss_from"] for run in runs.values()}
-    assert front == {"baseline": "L1+L2+L3", "eager": "L1", "erase-aot_eager": "L1"}
+    assert front == {"baseline": "L1+L2+L3", "eager": "L1", "erase/aot_eager": "L1"}
 
 
 def test_blocks_without_local_loss_get_zero_gradient_and_no_early_block():
@@ -143,22 +143,22 @@ def test_cuda_only_variants_are_refused_on_cpu_and_flags_override_the_preset():
 def test_the_rounding_control_starts_one_float_step_away_and_is_reported(tmp_path):
     code, payload = run_experiment(ctr.main, "ctr", [
         *TINY, "--steps", "4", "--freeze-steps", "0", "--audit-steps", "1",
-        "--variants", "eager,eager+1ulp,erase-aot_eager"], tmp_path)
+        "--variants", "eager,eager/1ulp,erase/aot_eager"], tmp_path)
     assert code == 0
     runs = {run["variant"]: run for run in payload["data"]["runs"]}
     # one float step in every weight changes the run, but only by rounding
-    assert runs["eager+1ulp"]["losses"] != runs["eager"]["losses"]
-    assert max(abs(x - y) for x, y in zip(runs["eager+1ulp"]["losses"],
+    assert runs["eager/1ulp"]["losses"] != runs["eager"]["losses"]
+    assert max(abs(x - y) for x, y in zip(runs["eager/1ulp"]["losses"],
                                           runs["eager"]["losses"])) < 1e-4
-    control = payload["data"]["exactness"]["eager+1ulp vs eager"]
+    control = payload["data"]["exactness"]["eager/1ulp vs eager"]
     assert 0 < control["max_param_diff"] < 1e-3
     exact = next(t for t in payload["tables"] if t["caption"].startswith("Exactness"))
     flags = {(row[0], row[1]): row[-1] for row in exact["rows"]}
-    assert flags == {("erase-aot_eager", "eager"): "yes", ("eager+1ulp", "eager"): "no (control)"}
+    assert flags == {("erase/aot_eager", "eager"): "yes", ("eager/1ulp", "eager"): "no (control)"}
     # the control is a curve of the NE figure, not a bar of the speed figure
     line, bar = payload["figures"]
-    assert "eager+1ulp" in [s["label"] for s in line["series"]]
-    assert "eager+1ulp" not in [s["label"] for s in bar["series"]]
+    assert "eager/1ulp" in [s["label"] for s in line["series"]]
+    assert "eager/1ulp" not in [s["label"] for s in bar["series"]]
 
 
 def test_nudge_one_ulp_moves_every_weight_by_exactly_one_float_step():
@@ -170,7 +170,7 @@ def test_nudge_one_ulp_moves_every_weight_by_exactly_one_float_step():
         assert (new > old).all()
 
 
-MERGE_RUN = [*TINY, "--steps", "4", "--audit-steps", "1", "--variants", "eager,erase-aot_eager"]
+MERGE_RUN = [*TINY, "--steps", "4", "--audit-steps", "1", "--variants", "eager,erase/aot_eager"]
 
 
 def test_a_run_split_over_seeds_merges_into_the_run_of_all_seeds(tmp_path):

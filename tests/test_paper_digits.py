@@ -59,8 +59,8 @@ def test_backward_verdict_band():
 def test_variants_on_cpu_drop_graphs_and_the_duplicate_exactness_run():
     cpu = torch.device("cpu")
     assert digits.variants_for(digits.VARIANTS, cpu, "aot_eager") == (
-        "eager", "compile", "erase", "erase-1stream")
-    assert "erase-aot_eager" in digits.variants_for(digits.VARIANTS, cpu, "inductor")
+        "eager", "compile", "erase", "erase/one-stream")
+    assert "erase/aot_eager" in digits.variants_for(digits.VARIANTS, cpu, "inductor")
 
 
 def timing(variant, forward_ms, backward_ms):
@@ -71,18 +71,18 @@ def timing(variant, forward_ms, backward_ms):
 @pytest.mark.parametrize("with_stock", [True, False])
 def test_erase_and_erase_graphs_get_a_verdict_each(with_stock):
     rows = [timing("eager", 1.0, 2.0), timing("compile", 1.0, 1.5), timing("erase", 2.0, 1.6),
-            timing("erase-graphs", 0.5, 0.8)]
+            timing("erase+graphs", 0.5, 0.8)]
     if not with_stock:
         rows.pop(1)
     comparison = digits.paper_comparison(rows)
     verdicts = {row["erase_fx"]: row["verdict"] for row in comparison}
     expected = {"-20% backward time (erase vs eager)": "worse",
-                "-60% backward time (erase-graphs vs eager)": "equal"}
+                "-60% backward time (erase+graphs vs eager)": "equal"}
     if with_stock:
         expected |= {"+7% backward time (erase vs stock torch.compile)": "worse",
-                     "-47% backward time (erase-graphs vs stock torch.compile)": "worse"}
+                     "-47% backward time (erase+graphs vs stock torch.compile)": "worse"}
     assert {k: v for k, v in verdicts.items() if "backward time" in k} == expected
-    graphs_notes = [row["note"] for row in comparison if "erase-graphs vs" in row["erase_fx"]]
+    graphs_notes = [row["note"] for row in comparison if "erase+graphs vs" in row["erase_fx"]]
     assert all("part of the difference is replay" in note for note in graphs_notes)
     # every backward row says what the forward and the total step paid
     notes = {row["erase_fx"]: row["note"] for row in comparison}
@@ -91,7 +91,7 @@ def test_erase_and_erase_graphs_get_a_verdict_each(with_stock):
     total = comparison[-1]
     assert total["verdict"] == "not comparable"
     assert total["erase_fx"].startswith("erase +20.0% vs eager")
-    assert "; erase-graphs -56.7% vs eager" in total["erase_fx"]
+    assert "; erase+graphs -56.7% vs eager" in total["erase_fx"]
 
 
 def test_paper_rows_without_an_erase_variant_say_so():

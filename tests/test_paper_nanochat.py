@@ -15,10 +15,10 @@ TINY = ["--device", "cpu", "--depth", "3", "--layers-per-stage", "1", "--width",
 
 
 def test_cpu_run_writes_contract_json_and_trace_but_no_overlap(tmp_path):
-    # NB: erase-graphs is asked for and dropped: no CUDA graphs on CPU.
+    # NB: erase+graphs is asked for and dropped: no CUDA graphs on CPU.
     code, results = run_experiment(nanochat.main, "nanochat",
                                    [*TINY, "--attention", "sdpa", "--variants",
-                                    "eager,erase,erase-graphs", "--on-error", "raise"], tmp_path)
+                                    "eager,erase,erase+graphs", "--on-error", "raise"], tmp_path)
     assert code == 0
     (run,) = results["data"]["runs"]
     assert [t["variant"] for t in run["timings"]] == ["eager", "erase"]
@@ -120,8 +120,8 @@ def test_the_graphs_variant_is_read_from_its_own_trace(tmp_path):
                              layers_per_stage=1)
     with gzip.open(tmp_path / "nanochat_trace_sdpa_graphs.json.gz", "wt") as file:
         json.dump(handmade_trace(), file)
-    rows = [{"variant": "erase", "error": "RuntimeError: no"}, {"variant": "erase-graphs"}]
-    graphs = nanochat.read_profile("erase-graphs", cfg, rows, tmp_path)
+    rows = [{"variant": "erase", "error": "RuntimeError: no"}, {"variant": "erase+graphs"}]
+    graphs = nanochat.read_profile("erase+graphs", cfg, rows, tmp_path)
     assert graphs["trace"] == "nanochat_trace_sdpa_graphs.json.gz"
     assert graphs["overlap"]["fraction"] == 30.0 / 45.0
     assert graphs["timeline"] == "nanochat_timeline_sdpa_graphs.png"
@@ -139,7 +139,7 @@ def test_a_trace_without_kernels_is_not_measurable(tmp_path):
 
 def fake_run(attention, fraction, compiled_blocks=2, erase_ms=9.0, one_stream_ms=10.0,
              graphs_fraction=None, graphs_failures=()):
-    """A run's results as `run_attention` returns them; erase-graphs only with its fraction."""
+    """A run's results as `run_attention` returns them; erase+graphs only with its fraction."""
     compiled = {"early_blocks": compiled_blocks, "rejected": [], "fallback": [],
                 "cudagraph_failures": []}
     if compiled_blocks < 2:
@@ -148,11 +148,11 @@ def fake_run(attention, fraction, compiled_blocks=2, erase_ms=9.0, one_stream_ms
            "profiles": [{"variant": "erase", "overlap": {"fraction": fraction},
                          "overlap_message": "..."}],
            "timings": [{"variant": "erase", "median_ms": erase_ms, "compiled": compiled},
-                       {"variant": "erase-1stream", "median_ms": one_stream_ms}]}
+                       {"variant": "erase/one-stream", "median_ms": one_stream_ms}]}
     if graphs_fraction is not None:
         graphs = {**compiled, "cudagraph_failures": list(graphs_failures)}
-        run["timings"].append({"variant": "erase-graphs", "median_ms": 5.0, "compiled": graphs})
-        run["profiles"].append({"variant": "erase-graphs",
+        run["timings"].append({"variant": "erase+graphs", "median_ms": 5.0, "compiled": graphs})
+        run["profiles"].append({"variant": "erase+graphs",
                                 "overlap": {"fraction": graphs_fraction},
                                 "overlap_message": "..."})
     return run
@@ -180,15 +180,15 @@ def test_erase_and_erase_graphs_get_an_overlap_verdict_each():
     erase, graphs = nanochat.overlap_comparison(runs)
     assert erase["erase_fx"].startswith("erase (no CUDA graphs): ")
     assert erase["verdict"] == "worse"
-    assert graphs["erase_fx"].startswith("erase-graphs (CUDA graph replay, erase_fx's default")
+    assert graphs["erase_fx"].startswith("erase+graphs (CUDA graph replay, erase_fx's default")
     assert graphs["erase_fx"].endswith("sdpa attention 44% (timelines in the figures)")
     assert graphs["verdict"] == "not comparable"
-    # a failed capture means erase-graphs ran without replay: its overlap does not count
+    # a failed capture means erase+graphs ran without replay: its overlap does not count
     runs = [fake_run("sdpa", 0.0, graphs_fraction=0.44,
                      graphs_failures=["erase_fx graph 0: CUDA graph capture failed: ..."])]
     _, graphs = nanochat.overlap_comparison(runs)
     assert graphs["erase_fx"].endswith("default on CUDA): not measured")
-    assert "erase-graphs runs without replay" in graphs["note"]
+    assert "erase+graphs runs without replay" in graphs["note"]
     assert any("without CUDA graph replay" in p for p in nanochat.shortfalls(runs[0]))
 
 
@@ -218,7 +218,7 @@ def test_quick_preset_and_explicit_flags():
     assert (args.depth, args.width, args.seq, args.vocab) == (8, 384, 512, 4096)
     assert args.variants == nanochat.QUICK["variants"]
     # the overlap under CUDA graph replay is measured in --quick too (dropped on CPU)
-    assert "erase-graphs" in args.variants.split(",") and args.attention == "sdpa"
+    assert "erase+graphs" in args.variants.split(",") and args.attention == "sdpa"
     both = nanochat.parse_args(["--quick", "--attention", "manual,sdpa"])
     assert both.attention == "manual,sdpa"
     full = nanochat.parse_args([])

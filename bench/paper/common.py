@@ -5,7 +5,7 @@
   the CPU) and throughput statistics (`throughput_stats`: median, p90, p10
   of per-step QPS);
 - normalized entropy (`normalized_entropy`);
-- the variants the experiments compare (`compile_variant`, `one_stream`,
+- the variants the experiments compare (`compile_variant`,
   `capture_erase_warnings`, `compile_summary`, `compiled_notes`,
   `variant_failed`, `print_compiled`) and the command-line flags they share
   (`add_erase_arguments`);
@@ -15,8 +15,8 @@
   ``REPORT.md``. The contract is documented in ``bench/paper/README.md`` and
   checked here.
 
-erase_fx is imported only where a helper needs it (`one_stream`), so
-`bench.paper.report` renders results without loading it.
+erase_fx is not imported here, so `bench.paper.report` renders results
+without loading it.
 """
 from __future__ import annotations
 
@@ -170,12 +170,15 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 # -- variants --------------------------------------------------------------------
 
-#: What an erase variant's name selects (digits and nanochat; ctr names its own).
+#: What an erase variant's name selects (digits and nanochat; ctr names its own),
+#: in the vocabulary of `bench.harness`:
 #: ``erase``: the erase backend with the run's inner compiler, no CUDA graphs;
-#: ``erase-graphs``: the same with CUDA graph replay (erase_fx's default on
-#: CUDA); ``erase-1stream``: ``erase`` compiled under `one_stream`;
-#: ``erase-aot_eager``: inner ``aot_eager``, which must train exactly as eager.
-GRAPHS_VARIANT = "erase-graphs"
+#: ``erase+graphs``: the same with CUDA graph replay (erase_fx's default on
+#: CUDA); ``erase/one-stream``: ``erase`` with ``overlap=False`` (every segment
+#: on the main stream: the same program, no overlap possible, the baseline that
+#: separates what overlap buys from what moving work buys);
+#: ``erase/aot_eager``: inner ``aot_eager``, which must train exactly as eager.
+GRAPHS_VARIANT = "erase+graphs"
 
 
 def compile_variant(name: str, model: torch.nn.Module, *, inner: str, streams: int,
@@ -190,36 +193,14 @@ def compile_variant(name: str, model: torch.nn.Module, *, inner: str, streams: i
     if name == "compile":
         return torch.compile(model, backend=inner)
     options = {
-        "inner": "aot_eager" if name == "erase-aot_eager" else inner,
+        "inner": "aot_eager" if name == "erase/aot_eager" else inner,
         "streams": streams,
         "cudagraphs": name == GRAPHS_VARIANT,
         "on_error": on_error,
     }
+    if name == "erase/one-stream":
+        options["overlap"] = False
     return torch.compile(model, backend="erase", options=options)
-
-
-@contextlib.contextmanager
-def one_stream() -> Iterator[None]:
-    """Programs compiled in this block run every segment on the current stream.
-
-    The same erase program with no overlap possible: the baseline that
-    separates what overlap buys from what moving work buys (the trick of
-    ``bench/check_cuda.py``'s ``OneStream``).
-    """
-    import erase_fx.compilation
-    from erase_fx.emit import VirtualStreams
-
-    saved = erase_fx.compilation.CudaStreams
-    erase_fx.compilation.CudaStreams = lambda device, n: VirtualStreams()
-    try:
-        yield
-    finally:
-        erase_fx.compilation.CudaStreams = saved
-
-
-def variant_context(name: str) -> contextlib.AbstractContextManager:
-    """`one_stream` for ``erase-1stream``; nothing for the other variants."""
-    return one_stream() if name == "erase-1stream" else contextlib.nullcontext()
 
 
 class _Records(logging.Handler):

@@ -42,7 +42,7 @@ Model (`BlockChainCTR`)
     features as DLRM's ``index_select`` of the upper triangle
     (``--interaction select``), whose backward under ``aot_eager``
     (``new_zeros`` then ``index_add``) erase_fx does not yet prove linear:
-    ``erase-aot_eager`` would keep block 1 and the front in the backward (4
+    ``erase/aot_eager`` would keep block 1 and the front in the backward (4
     early blocks instead of 5; Inductor's decomposition is proven). The
     results' table of erase_fx's decisions shows, per erase variant, which
     blocks ran early and why the others did not.
@@ -63,14 +63,14 @@ optimizer, Adam by default; same data order)
     ``baseline``          the same architecture without detach, trained end to
                           end on the same total loss (eager);
     ``eager``             the detached model, eager;
-    ``eager+1ulp``        the rounding control: ``eager`` with every initial
+    ``eager/1ulp``        the rounding control: ``eager`` with every initial
                           weight moved one float step (``torch.nextafter``);
                           how far rounding alone carries the loss, NE and
                           weights over a run;
     ``inductor``          stock ``torch.compile`` of the detached model;
     ``reduce-overhead``   stock ``torch.compile(mode="reduce-overhead")``
                           (Inductor and CUDA graph trees; CUDA only);
-    ``erase-aot_eager``   ``backend="erase"``, inner ``aot_eager``, no CUDA
+    ``erase/aot_eager``   ``backend="erase"``, inner ``aot_eager``, no CUDA
                           graphs: the exactness proof, its losses and NE must
                           equal ``eager``'s exactly;
     ``erase``             ``backend="erase"``, inner ``--inner`` (Inductor on
@@ -79,7 +79,7 @@ optimizer, Adam by default; same data order)
     Inductor's fused kernels round differently from eager (~1e-3 relative on
     some gradients), so ``erase`` is also compared with ``inductor``: its NE
     difference from eager is expected tiny but not zero. Training amplifies
-    any rounding difference over the steps; ``eager+1ulp`` measures by how
+    any rounding difference over the steps; ``eager/1ulp`` measures by how
     much, so the NE differences of the Inductor variants have a yardstick.
 
 Throughput
@@ -95,7 +95,7 @@ Audit (the reviewers' point, made checkable)
     parameters (its body and head), and the local loss the gradient came
     from, recomputed eagerly on the same batch before the optimizer step. A
     zero gradient is flagged ``FAIL``. A separate demonstration trains the
-    ``--no-local-loss`` model (eager and ``erase-aot_eager``, ``--freeze-steps``
+    ``--no-local-loss`` model (eager and ``erase/aot_eager``, ``--freeze-steps``
     steps) and asks ``erase_fx.explain`` what it finds in both models.
 
 Results go to ``<--results-dir>/ctr.json`` (``ctr-no-local-loss.json`` with
@@ -155,18 +155,18 @@ CALIBRATION_ROWS = 1 << 16
 CHUNK_ROWS = 1 << 20
 
 #: Variants in run order; see the module docstring.
-VARIANTS = ("baseline", "eager", "eager+1ulp", "inductor", "reduce-overhead", "erase-aot_eager",
+VARIANTS = ("baseline", "eager", "eager/1ulp", "inductor", "reduce-overhead", "erase/aot_eager",
             "erase", "erase+graphs")
 #: Variants that need CUDA.
 CUDA_ONLY = ("reduce-overhead", "erase+graphs")
 #: Variants run by default on the CPU (no Inductor, no CUDA graphs).
-CPU_DEFAULT_VARIANTS = ("baseline", "eager", "erase-aot_eager")
+CPU_DEFAULT_VARIANTS = ("baseline", "eager", "erase/aot_eager")
 #: Variants whose throughput is compared with the paper's: erase, fastest first.
-ERASE_VARIANTS = ("erase+graphs", "erase", "erase-aot_eager")
+ERASE_VARIANTS = ("erase+graphs", "erase", "erase/aot_eager")
 #: Stock compilations of the same detached model, the fair baselines of erase.
 STOCK_VARIANTS = ("eager", "inductor", "reduce-overhead")
 #: The rounding control: ``eager`` from initial weights one float step away.
-ROUNDING_CONTROL = "eager+1ulp"
+ROUNDING_CONTROL = "eager/1ulp"
 
 #: The paper's claim: p90 QPS gain on its CTR model (percent).
 PAPER_P90_GAIN = 9.51
@@ -509,7 +509,7 @@ def compile_variant(name: str, model: nn.Module, settings: Settings) -> Callable
         return torch.compile(model)
     if name == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    inner = "aot_eager" if name == "erase-aot_eager" else settings.inner
+    inner = "aot_eager" if name == "erase/aot_eager" else settings.inner
     options = {"inner": inner, "streams": settings.streams,
                "cudagraphs": name == "erase+graphs"}
     return torch.compile(model, backend="erase", options=options)
@@ -699,7 +699,7 @@ def freeze_demo(base_sizes: ModelSizes, data: Dataset, settings: Settings, seed:
                 local_weight: float, say: Callable[[str], None]) -> dict[str, Any]:
     """The reviewers' freezing artifact: blocks 1-5 without a local loss get zero gradient.
 
-    Trains the no-local-loss model (eager and erase-aot_eager) for
+    Trains the no-local-loss model (eager and erase/aot_eager) for
     ``settings.steps`` steps, auditing the gradients, and asks
     `erase_fx.explain` what it finds in it and in the model with local losses.
     """
@@ -707,7 +707,7 @@ def freeze_demo(base_sizes: ModelSizes, data: Dataset, settings: Settings, seed:
         base_sizes, detach=True, local_losses=False, local_weight=local_weight)
     base = common.build_seeded(build, seed)
     runs = []
-    for variant in ("eager", "erase-aot_eager"):
+    for variant in ("eager", "erase/aot_eager"):
         run = train_run(variant, seed, base, data, settings, audit=True, keep_params=False)
         runs.append(run)
         say(f"  no-local-loss {variant:16s} final NE {fmt(run.final_ne)}"
@@ -796,7 +796,7 @@ def summarize(runs: Sequence[RunResult], demo: dict[str, Any] | None, data: Data
     if exact:
         tables.append(common.table(
             "Exactness: largest difference from the reference over every step and seed "
-            "(erase-aot_eager vs eager must be exactly 0; the rounding control "
+            "(erase/aot_eager vs eager must be exactly 0; the rounding control "
             f"{ROUNDING_CONTROL}, eager from weights one float step away, shows how far "
             "rounding alone carries a run)",
             ["variant", "reference", "seeds", "max |d train loss|", "max |d final NE|",
@@ -892,7 +892,7 @@ def _variant_table(grouped: dict[str, list[RunResult]], data: Dataset | DataFact
 #: (variant, reference) pairs of the exactness table, in its order. The first
 #: must be exact; the rounding control's row is the yardstick of the others.
 EXACTNESS_PAIRS = (
-    ("erase-aot_eager", "eager"), ("erase-aot_eager", "inductor"),
+    ("erase/aot_eager", "eager"), ("erase/aot_eager", "inductor"),
     ("erase", "eager"), ("erase", "inductor"),
     ("erase+graphs", "eager"), ("erase+graphs", "inductor"),
     ("inductor", "eager"), ("reduce-overhead", "eager"),
@@ -908,7 +908,7 @@ def _exactness_rows(grouped: dict[str, list[RunResult]]) -> list[dict[str, Any]]
         numbers = exactness(grouped[variant], grouped[reference])
         is_exact = (numbers["max_train_loss_diff"] == 0 and numbers["final_ne_diff"] == 0
                     and numbers["max_param_diff"] in (0, 0.0, None))
-        required = variant == "erase-aot_eager" and reference == "eager"
+        required = variant == "erase/aot_eager" and reference == "eager"
         flag = ("yes" if is_exact else "FAIL" if required
                 else "no (control)" if variant == ROUNDING_CONTROL else "no (rounding)")
         rows.append({"variant": variant, "reference": reference, "numbers": numbers,
@@ -925,7 +925,7 @@ def _exactness_rows(grouped: dict[str, list[RunResult]]) -> list[dict[str, Any]]
 def _speed_rows(grouped: dict[str, list[RunResult]]) -> list[list[Any]]:
     stock = [v for v in STOCK_VARIANTS if v in grouped]
     rows = []
-    for variant in ("erase-aot_eager", "erase", "erase+graphs", "inductor", "reduce-overhead"):
+    for variant in ("erase/aot_eager", "erase", "erase+graphs", "inductor", "reduce-overhead"):
         if variant not in grouped or not stock:
             continue
         cells = [fmt_mean_std(*gain(grouped[variant], grouped[ref]), digits=3)
@@ -1113,7 +1113,7 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
                       exact: list[dict[str, Any]], audit_rows: list[dict[str, Any]],
                       args: argparse.Namespace) -> list[dict[str, Any]]:
     rows, k = [], args.blocks
-    fastest = next((v for v in ERASE_VARIANTS if v in grouped and v != "erase-aot_eager"), None)
+    fastest = next((v for v in ERASE_VARIANTS if v in grouped and v != "erase/aot_eager"), None)
     best = _best_stock(grouped, "p90")
     if fastest and best:
         mean, std = gain(grouped[fastest], grouped[best])
@@ -1145,7 +1145,7 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
                      "erase_fx": "not measured in this run (no erase variant with Inductor, "
                                  "or no stock baseline; CPU runs measure no speed)",
                      "verdict": "not comparable"})
-    ne_variant = fastest or ("erase-aot_eager" if "erase-aot_eager" in grouped else None)
+    ne_variant = fastest or ("erase/aot_eager" if "erase/aot_eager" in grouped else None)
     if ne_variant:
         parts = [f"{v} {fmt_mean_std(*mean_std([r.final_ne for r in grouped[v]]), digits=5)}"
                  for v in (ne_variant, "eager", "baseline") if v in grouped]
@@ -1160,7 +1160,7 @@ def _paper_comparison(grouped: dict[str, list[RunResult]], demo: dict[str, Any] 
         numbers = proof["numbers"]
         rows.append({"claim": "the early backward leaves training unchanged",
                      "paper": "not shown",
-                     "erase_fx": f"erase-aot_eager vs eager over {args.steps} steps x "
+                     "erase_fx": f"erase/aot_eager vs eager over {args.steps} steps x "
                                  f"{numbers['seeds']} seeds: max |d train loss| "
                                  f"{numbers['max_train_loss_diff']:.3g}, |d NE| "
                                  f"{numbers['final_ne_diff']:.3g}, max |d param| "
@@ -1363,7 +1363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # NB: the demonstration first: it is cheap, and --budget-s must not skip it.
     if args.freeze_steps > 0 and not args.no_local_loss:
-        say(f"no-local-loss demonstration: {args.freeze_steps} steps, eager and erase-aot_eager")
+        say(f"no-local-loss demonstration: {args.freeze_steps} steps, eager and erase/aot_eager")
         freeze_settings = dataclasses.replace(settings, steps=args.freeze_steps,
                                               warmup=min(args.warmup, args.freeze_steps))
         demo = freeze_demo(model_sizes, data, freeze_settings, args.seed, args.local_weight, say)

@@ -32,10 +32,10 @@ batches in the same order)
     ``compile``           stock ``torch.compile`` (``--inner``: Inductor on CUDA,
                           ``aot_eager`` on CPU);
     ``erase``             ``backend="erase"``, inner ``--inner``, no CUDA graphs;
-    ``erase-graphs``      the same with CUDA graphs (CUDA only);
-    ``erase-1stream``     the erase program with every segment on one stream (no
+    ``erase+graphs``      the same with CUDA graphs (CUDA only);
+    ``erase/one-stream``  the erase program with every segment on one stream (no
                           overlap: separates moving the work from overlapping it);
-    ``erase-aot_eager``   ``backend="erase"``, inner ``aot_eager``: its trained
+    ``erase/aot_eager``   ``backend="erase"``, inner ``aot_eager``: its trained
                           weights and accuracies must equal eager's exactly (on
                           CPU ``erase`` is this variant already).
 
@@ -50,11 +50,11 @@ Timing
 
 Paper comparison
     The backward-time reduction against the paper's 58%, with its own
-    verdict for each of ``erase`` (no CUDA graphs) and ``erase-graphs`` (CUDA
+    verdict for each of ``erase`` (no CUDA graphs) and ``erase+graphs`` (CUDA
     graph replay, erase_fx's default on CUDA), against eager and against stock
     ``torch.compile``; each note gives the forward's and the total step's
     change too (the early backward lengthens the forward). Neither reference
-    replays CUDA graphs, so part of ``erase-graphs``' gain is replay, not the
+    replays CUDA graphs, so part of ``erase+graphs``' gain is replay, not the
     early backward. A last row gives the total step times (no verdict).
 
 Training and accuracy
@@ -92,9 +92,9 @@ import erase_fx
 from bench.paper.common import (GRAPHS_VARIANT, StepTimer, add_erase_arguments,
                                 capture_erase_warnings, command_line, compile_summary,
                                 compile_variant, compiled_notes, fmt, print_compiled, run_meta,
-                                synchronize, table, variant_context, variant_failed, write_results)
+                                synchronize, table, variant_failed, write_results)
 
-VARIANTS = ("eager", "compile", "erase", "erase-graphs", "erase-1stream", "erase-aot_eager")
+VARIANTS = ("eager", "compile", "erase", "erase+graphs", "erase/one-stream", "erase/aot_eager")
 #: The paper's number: backward time of ERASE relative to standard backprop, MNIST MLP.
 PAPER_BACKWARD_REDUCTION = 0.58
 #: Reductions within this many points of the paper's count as ``equal``.
@@ -191,14 +191,14 @@ def accuracies(model: DetachedMLP, x: torch.Tensor, y: torch.Tensor) -> list[flo
 def variants_for(requested: Sequence[str], device: torch.device, inner: str) -> tuple[str, ...]:
     """The requested variants that make sense here.
 
-    NB: no CUDA graphs on CPU; ``erase-aot_eager`` duplicates ``erase`` when
+    NB: no CUDA graphs on CPU; ``erase/aot_eager`` duplicates ``erase`` when
     the inner compiler already is ``aot_eager`` (the CPU default).
     """
     keep = []
     for name in requested:
-        if name == "erase-graphs" and device.type != "cuda":
+        if name == "erase+graphs" and device.type != "cuda":
             continue
-        if name == "erase-aot_eager" and inner == "aot_eager" and "erase" in requested:
+        if name == "erase/aot_eager" and inner == "aot_eager" and "erase" in requested:
             continue
         keep.append(name)
     return tuple(keep)
@@ -279,8 +279,7 @@ def _run_variant(name: str, base: DetachedMLP, data: Digits,
                          on_error=settings.on_error)
     x, y = data.x_train[:settings.batch], data.y_train[:settings.batch]
     begin = time.perf_counter()
-    with (variant_context(name), erase_fx.collect_reports() as reports,
-          capture_erase_warnings() as warnings):
+    with erase_fx.collect_reports() as reports, capture_erase_warnings() as warnings:
         timing = time_phases(model, fn, x, y, settings)
         losses = train(model, fn, data, settings)
     result: dict[str, Any] = {
@@ -330,7 +329,7 @@ def paper_comparison(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """The paper's 58% against erase's backward time, and the total step time next to it.
 
     One row, with its own verdict, per erase variant (`JUDGED`: ``erase``
-    without CUDA graphs, and ``erase-graphs``, the default on CUDA) and per
+    without CUDA graphs, and ``erase+graphs``, the default on CUDA) and per
     reference (eager, stock ``torch.compile``; neither replays CUDA graphs);
     then one row of total step times.
     """
@@ -340,7 +339,7 @@ def paper_comparison(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     if not (eager and judged):
         return [{"claim": claim, "paper": "-58%", "erase_fx": "not measured",
                  "verdict": "not comparable",
-                 "note": "needs the eager variant and erase or erase-graphs"}]
+                 "note": "needs the eager variant and erase or erase+graphs"}]
     comparison = []
     for variant, how, erase in judged:
         for reference, label in ((eager, "eager"), (stock, "stock torch.compile")):
@@ -449,7 +448,7 @@ def build_results(args: argparse.Namespace, settings: RunSettings, data: Digits,
             f"({args.size}x{args.size} inputs). The backward erase leaves for loss.backward() "
             f"is what the paper's 58% is about; its early part runs inside the forward, so "
             f"the total step time is reported next to it. erase (no CUDA graphs) and "
-            f"erase-graphs (CUDA graph replay, erase_fx's default on CUDA) each get their own "
+            f"erase+graphs (CUDA graph replay, erase_fx's default on CUDA) each get their own "
             f"verdict, against eager and against stock torch.compile (neither replays CUDA "
             f"graphs). Verdict rule: backward-time reduction within {100 * EQUAL_BAND:.0f} "
             f"percentage points of 58% is 'equal', more 'better', less 'worse'."
@@ -509,8 +508,8 @@ def compare_with_eager(rows: list[dict[str, Any]], models: dict[str, nn.Module],
         diff = max_param_diff(models["eager"], models[row["variant"]])
         row["max_param_diff"] = diff
         row["equal_to_eager"] = diff == 0.0 and row["accuracy"] == eager["accuracy"]
-        row["must_equal_eager"] = row["variant"] == "erase-aot_eager" or (
-            row["variant"] in ("erase", "erase-1stream") and inner == "aot_eager")
+        row["must_equal_eager"] = row["variant"] == "erase/aot_eager" or (
+            row["variant"] in ("erase", "erase/one-stream") and inner == "aot_eager")
         if row["must_equal_eager"] and not row["equal_to_eager"]:
             failures.append(row["variant"])
             print(f"    FAIL: {row['variant']} (inner aot_eager) differs from eager after "

@@ -12,7 +12,7 @@ implementation, measures:
    time during which a main-stream kernel also ran, over all side-stream
    kernel time, from a Chrome trace of a few profiled steps (written next to
    the results), and a timeline picture of one step, kernels per stream; for
-   ``erase`` (no CUDA graphs) and ``erase-graphs`` (CUDA graph replay,
+   ``erase`` (no CUDA graphs) and ``erase+graphs`` (CUDA graph replay,
    erase_fx's default on CUDA) each, with a paper row each: replay hides
    erase_fx's segment labels, but its kernels are in the trace with their
    streams, attributed to the step whose ``cudaGraphLaunch`` started them;
@@ -61,7 +61,7 @@ while the others go on. The exit status is 1 when a run fell short.
 
 Writes ``<out-dir>/nanochat.json`` (the results contract of
 ``bench/paper/README.md``), ``nanochat_trace_<attention>.json.gz`` (erase;
-``nanochat_trace_<attention>_graphs.json.gz`` for erase-graphs; open in
+``nanochat_trace_<attention>_graphs.json.gz`` for erase+graphs; open in
 Perfetto or chrome://tracing; gzipped so results globs of ``*.json`` do not
 pick traces up) and ``nanochat_timeline_<attention>[_graphs].png``.
 """
@@ -88,12 +88,12 @@ import torch.nn.functional as F
 import erase_fx
 from bench.paper.common import (GRAPHS_VARIANT, add_erase_arguments, capture_erase_warnings,
                                 command_line, compile_summary, compile_variant, compiled_notes,
-                                fmt, print_compiled, run_meta, synchronize, table, variant_context,
+                                fmt, print_compiled, run_meta, synchronize, table,
                                 variant_failed, write_results)
 from erase_fx.profile import KernelInterval, Overlap, kernel_overlap, kernels_from_chrome_trace
 
 ATTENTIONS = ("manual", "sdpa")
-VARIANTS = ("eager", "compile", "erase", "erase-1stream", GRAPHS_VARIANT)
+VARIANTS = ("eager", "compile", "erase", "erase/one-stream", GRAPHS_VARIANT)
 #: The variants that are profiled (a Chrome trace, the overlap, a timeline), and how.
 PROFILED = {"erase": "no CUDA graphs",
             GRAPHS_VARIANT: "CUDA graph replay, erase_fx's default on CUDA"}
@@ -351,7 +351,7 @@ def measure_overlap(trace_path: Path) -> tuple[Overlap | None, list[KernelInterv
     forward starts on the current stream (the embedding lookup), and side
     streams fork from it later. `kernel_overlap`'s default, the busiest
     stream, could pick a side stream with ``streams=1`` on a shallow model.
-    Under CUDA graph replay (erase-graphs) the streams are those the driver
+    Under CUDA graph replay (erase+graphs) the streams are those the driver
     replays the captured branches on; the step's first kernel is still the
     forward's first (the inputs are copied into the graph's buffers with
     memcpys, which are not kernels), so the rule holds there too.
@@ -455,10 +455,9 @@ def _run_variant(name: str, base: nn.Module, batch: tuple[torch.Tensor, ...],
         fn(*batch).backward()
 
     result: dict[str, Any] = {"variant": name}
-    with (variant_context(name), erase_fx.collect_reports() as reports,
-          capture_erase_warnings() as warnings):
+    with erase_fx.collect_reports() as reports, capture_erase_warnings() as warnings:
         begin = time.perf_counter()
-        # NB: erase-graphs captures its CUDA graphs in the first warm-up steps
+        # NB: erase+graphs captures its CUDA graphs in the first warm-up steps
         # (the second call captures), so the profiled steps are replays.
         for _ in range(settings.warmup):
             step()
@@ -555,7 +554,7 @@ def complete_schedule(run: dict[str, Any], variant: str = "erase") -> str | None
 
     The claims are about the full early-backward schedule: every expected
     early block compiled, the multi-stream forward kept (no fallback), and,
-    for erase-graphs, its CUDA graphs captured.
+    for erase+graphs, its CUDA graphs captured.
     """
     compiled = _compiled(run, variant)
     if compiled is None:
@@ -575,7 +574,7 @@ def overlap_comparison(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """The paper's trace (overlap, no number) against the measured overlap fractions.
 
     One row, with its own verdict, per profiled variant (`PROFILED`: erase
-    without CUDA graphs, erase-graphs with them). Rule: the paper gives no
+    without CUDA graphs, erase+graphs with them). Rule: the paper gives no
     fraction, so the verdict is ``not comparable``, unless every run of that
     variant with the full schedule measured no overlap at all (``worse``);
     the note says whether the trace is reproduced qualitatively and which
@@ -616,7 +615,7 @@ def overlap_comparison(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
         if not seen and variant == "erase":
             note += (" (a launch-bound step, where the CPU launches kernels slower than the GPU "
                      "runs them, leaves no forward kernel in flight to overlap with; CUDA graph "
-                     "replay, erase-graphs, removes the launches)")
+                     "replay, erase+graphs, removes the launches)")
         rows.append({
             **row,
             "erase_fx": f"{label}: share of side-stream kernel time overlapped by main-stream "
@@ -645,16 +644,16 @@ def fused_attention_comparison(runs: Sequence[dict[str, Any]],
     }
     speedups, excluded = {}, []
     for run in runs:
-        one, multi = _ms(run["timings"], "erase-1stream"), _ms(run["timings"], "erase")
+        one, multi = _ms(run["timings"], "erase/one-stream"), _ms(run["timings"], "erase")
         why_not = complete_schedule(run) or (None if one and multi else
-                                             "needs erase and erase-1stream step times")
+                                             "needs erase and erase/one-stream step times")
         if why_not:
             excluded.append(f"{run['attention']}: {why_not}")
         else:
             speedups[run["attention"]] = one / multi
     if device.type != "cuda" or not speedups:
         return {**row, "erase_fx": "not measured",
-                "note": "; ".join(["needs erase and erase-1stream step times of the full "
+                "note": "; ".join(["needs erase and erase/one-stream step times of the full "
                                    "schedule on a CUDA device", *excluded])}
     measured = ", ".join(f"{a} attention {s:.2f}x" for a, s in speedups.items())
     if {"manual", "sdpa"} <= speedups.keys():
@@ -697,7 +696,7 @@ def overlap_table(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          profile["overlap_message"]])
     return table("Kernel overlap over the profiled steps: side-stream kernel time during which "
                  "a main-stream kernel ran, over side-stream kernel time "
-                 "(erase_fx.profile.kernel_overlap); erase without CUDA graphs, erase-graphs "
+                 "(erase_fx.profile.kernel_overlap); erase without CUDA graphs, erase+graphs "
                  "with them",
                  ["attention", "variant", "trace", "side us", "main us", "overlapped us",
                   "fraction", "note"],
@@ -719,8 +718,8 @@ def timing_table(settings: RunSettings, runs: Sequence[dict[str, Any]]) -> dict[
                          fmt(t.get("peak_mib")), "-"])
     return table(f"Step time (zero_grad, forward, backward), ms: median of {settings.trials} "
                  f"trials of {settings.steps_per_trial} steps ({timer}); compile = stock "
-                 f"torch.compile with {settings.inner}; erase-1stream = the erase program with "
-                 f"every segment on one stream; erase-graphs = erase with CUDA graph replay",
+                 f"torch.compile with {settings.inner}; erase/one-stream = the erase program with "
+                 f"every segment on one stream; erase+graphs = erase with CUDA graph replay",
                  ["attention", "variant", "median ms", "min ms", "max ms", "vs compile",
                   "peak MiB", "note"],
                  rows)
@@ -747,7 +746,7 @@ def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str
             f"{cfg.batch}, vocabulary {cfg.vocab}) in {cfg.stages} detached stages of "
             f"{cfg.layers_per_stage} layers, each with a local LM head and loss, compiled "
             f"with backend=\"erase\" (inner {settings.inner}, {settings.streams} side "
-            f"streams). erase (no CUDA graphs) and, on CUDA, erase-graphs (CUDA graph replay, "
+            f"streams). erase (no CUDA graphs) and, on CUDA, erase+graphs (CUDA graph replay, "
             f"erase_fx's default there) are each profiled, and each gets its own overlap row: "
             f"replay hides erase_fx's segment labels, not the kernels or their streams. The "
             f"command writes the Chrome traces (.json.gz) beside its results file (large: not "
@@ -766,11 +765,11 @@ def build_results(cfg: GPTConfig, settings: RunSettings, runs: Sequence[dict[str
 # -- command line --------------------------------------------------------------
 
 #: ``--quick``: sized for two to three minutes on one H200, most of it compiling: one
-#: attention kind (sdpa; ``--attention manual,sdpa`` doubles the time), and erase-graphs
+#: attention kind (sdpa; ``--attention manual,sdpa`` doubles the time), and erase+graphs
 #: (dropped on CPU) so the overlap under CUDA graph replay is measured too.
 QUICK = dict(depth=6, width=384, heads=6, seq=512, batch=16, vocab=4096, warmup=3,
              profile_steps=3, trials=5, steps_per_trial=10, attention="sdpa",
-             variants=f"eager,compile,erase,erase-1stream,{GRAPHS_VARIANT}")
+             variants=f"eager,compile,erase,erase/one-stream,{GRAPHS_VARIANT}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,0 +1,238 @@
+"""bench.harness on CPU: the variant vocabulary, building a variant's step, memory arithmetic."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from bench import harness
+from bench.harness import LEGACY_NAMES, Variant
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name, parsed", [
+    ("eager", Variant("eager")),
+    ("inductor+graph", Variant("inductor", "graph")),
+    ("inductor+step+adam", Variant("inductor", "step", adam=True)),
+    ("inductor+graph+adam", Variant("inductor", "graph", adam=True)),
+    ("reduce-overhead", Variant("reduce-overhead")),
+    ("erase+graphs/streams=8", Variant("erase", "graphs", control="streams=8")),
+    ("erase+step-graph/one-stream", Variant("erase", "step-graph", control="one-stream")),
+    ("erase+step+adam", Variant("erase", "step", adam=True)),
+    ("erase+step/one-stream", Variant("erase", "step", control="one-stream")),
+    ("erase/aot_eager", Variant("erase", control="aot_eager")),
+])
+def test_variant_names_read_and_write_back(name, parsed):
+    assert Variant.parse(name) == parsed
+    assert str(parsed) == name
+
+
+@pytest.mark.parametrize("name, message", [
+    ("inductor+graphs", "does not apply to inductor"),
+    ("erase+graph", "does not apply to erase"),
+    ("erase+graphs+step", "one capture at most"),
+    ("erase+adam+step", "one capture at most"),
+    ("paper+adam", "no optimizer form"),
+    ("inductor/one-stream", "erase variants only"),
+    ("erase/streams=0", "is not one of"),
+    ("torchsched", "is not one of eager, paper"),
+    ("Erase", "is not compiler"),
+])
+def test_names_outside_the_grammar_are_refused_with_the_reason(name, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Variant.parse(name)
+
+
+def test_legacy_names_map_to_todays():
+    assert Variant.parse("erase-graphs") == Variant.parse("erase+graphs")
+    assert str(Variant.parse("erase+wholestep-1stream")) == "erase+step-graph/one-stream"
+    assert harness.canonical("erase-1stream") == "erase/one-stream"
+    assert harness.canonical("inductor") == "inductor"
+    for old, new in LEGACY_NAMES.items():
+        assert new in harness.EXPERIMENT_NAMES or str(Variant.parse(new)) == new
+
+
+def test_each_erase_variant_names_its_stock_variants():
+    assert Variant.parse("erase").stock() == ("inductor",)
+    assert Variant.parse("erase+graphs").stock() == ("reduce-overhead", "inductor+graph")
+    assert Variant.parse("erase+step-graph").stock() == ("inductor+graph",)
+    assert Variant.parse("erase+step").stock() == ("inductor+step",)
+    assert Variant.parse("erase+step+adam").stock() == ("inductor+step+adam",)
+    assert Variant.parse("erase+step/one-stream").stock() == ("inductor+step",)
+    assert Variant.parse("inductor+step").stock() == ()
+    assert harness.judged_erase("erase+step+adam")
+    assert not harness.judged_erase("erase+step/one-stream")
+    assert not harness.judged_erase("inductor+step") and not harness.judged_erase("bogus")
+
+
+def test_erase_options_of_the_controls():
+    assert Variant.parse("erase+graphs").erase_options == {"inner": "inductor", "cudagraphs": True}
+    assert Variant.parse("erase+step/one-stream").erase_options == {
+        "inner": "inductor", "cudagraphs": False, "overlap": False}
+    assert Variant.parse("erase+graphs/streams=2").erase_options["streams"] == 2
+    assert Variant.parse("erase/aot_eager").erase_options["inner"] == "aot_eager"
+
+
+def test_one_vocabulary_across_bench_and_its_tests():
+    """No legacy name left in bench/ or the bench and paper tests; every list of names parses."""
+    from bench import check_cuda, run
+    from bench.paper import ctr, digits, nanochat
+
+    sources = [p for p in (ROOT / "bench").rglob("*.py") if p.name != "harness.py"]
+    sources += [*ROOT.glob("tests/test_bench_*.py"), *ROOT.glob("tests/test_paper_*.py")]
+    sources += [ROOT / "bench" / "paper" / "README.md", ROOT / "bench" / "device_run.sh"]
+    sources = [p for p in sources if p.name != "test_bench_harness.py"]
+    for path in sources:
+        text = path.read_text()
+        for old in LEGACY_NAMES:
+            assert not re.search(rf"(?<![\w+/-]){re.escape(old)}(?![\w+/-])", text), (path, old)
+    names = {*run.VARIANTS, *run.ADAM_VARIANTS, *check_cuda.VARIANTS, *digits.VARIANTS,
+             *nanochat.VARIANTS, *ctr.VARIANTS}
+    for name in names - set(harness.EXPERIMENT_NAMES):
+        assert str(Variant.parse(name)) == name
+
+
+class Tiny(nn.Module):
+    """Two detached blocks, each with its loss: ``a`` (head ``head``), then ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head, self.b = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        h = self.a(x).relu()
+        ce = nn.functional.cross_entropy
+        return ce(self.head(h), y) + ce(self.b(h.detach()), y)
+
+
+def tiny_batch():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(16, 4, generator=generator), torch.randint(0, 2, (16,), generator=generator)
+
+
+def test_build_step_runs_the_first_step_then_after_first_then_steps():
+    torch.manual_seed(0)
+    model, inputs = Tiny(), tiny_batch()
+    seen = []
+    built = harness.build_step("eager", model, inputs,
+                               after_first=lambda: seen.append(harness.grads_of(model)))
+    (grads,) = seen
+    assert all(g is not None for g in grads) and built.optimizer is None
+    built.step()
+    assert harness.max_rel_err(grads, harness.grads_of(model)) == 0.0
+    assert built.capture_info() == {}
+
+
+def test_adam_variants_update_the_parameters_inside_the_step():
+    torch.manual_seed(0)
+    model, inputs = Tiny(), tiny_batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    built = harness.build_step("eager+adam", model, inputs)
+    assert isinstance(built.optimizer, torch.optim.Adam)
+    assert built.optimizer.defaults["foreach"] and not built.optimizer.defaults["capturable"]
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # parameters, grads, two moments, and a float32 step count per parameter
+    numel = sum(p.numel() for p in before)
+    assert harness.state_bytes(model, built.optimizer) == 4 * numel * 4 + 4 * len(before)
+
+
+def test_erase_variants_compile_with_the_backend_options(monkeypatch):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs = Tiny(), tiny_batch()
+    reference = Tiny()
+    reference.load_state_dict(model.state_dict())
+    reference(*inputs).backward()
+    seen = []
+    harness.build_step("erase/aot_eager", model, inputs,
+                       after_first=lambda: seen.append(harness.grads_of(model)))
+    assert harness.max_rel_err(harness.grads_of(reference), seen[0]) == 0.0
+    options = {}
+    monkeypatch.setattr(harness.torch, "compile",
+                        lambda model, **kwargs: options.update(kwargs) or model)
+    harness.compile_forward(Variant.parse("erase/one-stream"), Tiny())
+    assert options == {"backend": "erase", "options": {
+        "on_error": "raise", "inner": "inductor", "cudagraphs": False, "overlap": False}}
+
+
+def test_the_one_stream_option_is_a_backend_option():
+    import erase_fx
+
+    if "overlap" not in {f.name for f in __import__("dataclasses").fields(erase_fx.EraseConfig)}:
+        pytest.skip("EraseConfig has no overlap field yet")
+    assert erase_fx.EraseConfig(overlap=False).overlap is False
+
+
+def test_step_variants_go_through_compile_step(monkeypatch):
+    import erase_fx
+
+    calls = {}
+
+    class FakeStep:
+        captures, replays, uncaptured_reason = 1, 3, None
+
+        def __init__(self, fn, warmup, max_captures):
+            calls.update(warmup=warmup, max_captures=max_captures)
+            self.fn = fn
+
+        def __call__(self, *inputs):
+            calls["calls"] = calls.get("calls", 0) + 1
+            return self.fn(*inputs)
+
+    monkeypatch.setattr(erase_fx, "compile_step", FakeStep, raising=False)
+    model, inputs = Tiny(), tiny_batch()
+    # NB: eager inside compile_step is no name of the grammar; built directly, it compiles nothing
+    built = harness.build_step(Variant("eager", "step"), model, inputs)
+    built.step()
+    assert calls == {"warmup": 2, "max_captures": 8, "calls": 2}
+    assert built.capture_info() == {"captures": 1, "replays": 3, "uncaptured_reason": None}
+    monkeypatch.delattr(erase_fx, "compile_step")
+    with pytest.raises(RuntimeError, match="no compile_step"):
+        harness.build_step(Variant("eager", "step"), model, inputs)
+
+
+def test_state_bytes_counts_each_tensor_once():
+    model = nn.Linear(3, 5)  # 20 floats
+    assert harness.state_bytes(model) == 80
+    model.weight.grad = torch.zeros_like(model.weight)
+    assert harness.state_bytes(model) == 80 + 60
+    model.bias.grad = model.weight.grad.view(-1)[:5]  # shares the weight grad's first 5 floats
+    assert harness.state_bytes(model) == 80 + 60 + 20  # a view of another size counts
+
+
+def test_step_memory_subtracts_the_floor_and_the_model_state(monkeypatch):
+    model = nn.Linear(3, 5)  # state: 80 bytes
+    default = {"segment_pool_id": (0, 0), "total_size": 1 << 20}
+    snapshots = iter([
+        [dict(default, allocated_size=1000)],  # the floor
+        # after: the model's state and 500 bytes more in the default pool, a graph pool of
+        # 3000 bytes of which 1000 are allocated (all of it is the program's)
+        [dict(default, allocated_size=1000 + 80 + 500),
+         {"segment_pool_id": (1, 0), "total_size": 3000, "allocated_size": 1000}],
+    ])
+    cuda = harness.torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: 1000 + 80 + 500 + 1000)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 1000 + 80 + 500 + 1000 + 300)
+    monkeypatch.setattr(cuda, "memory_snapshot", lambda: next(snapshots))
+    memory = harness.StepMemory()
+    memory.start()
+    memory.before_timing()
+    weighed = memory.finish(model, None)
+    assert weighed == {"peak_mem_bytes": 2880, "step_peak_bytes": 300, "kept_bytes": 3500,
+                       "mem_bytes": 3800, "state_bytes": 80}
+
+
+def test_workspaces_are_what_clearing_cublas_frees(monkeypatch):
+    default = {"segment_pool_id": (0, 0), "total_size": 1 << 20}
+    snapshots = iter([[dict(default, allocated_size=5000)], [dict(default, allocated_size=1000)]])
+    cleared = []
+    cuda = harness.torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(cuda, "memory_snapshot", lambda: next(snapshots))
+    monkeypatch.setattr(harness, "clear_cublas_workspaces", lambda: cleared.append(True))
+    assert harness.StepMemory().workspaces() == 4000 and cleared == [True]

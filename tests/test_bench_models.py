@@ -1,0 +1,97 @@
+"""bench.models on CPU: every config kind parses; the gpt chain builds, trains, runs early."""
+import pytest
+import torch
+
+from bench import models
+from bench.models import ChainConfig, GPTConfig, GPTChain, parse_config
+from bench.vision import VisionConfig
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("ctr:1024:512:1024:6", ChainConfig), ("mlp:128:2000:2000:4", ChainConfig),
+    ("ctr-towers:4096:1024:2048:6", ChainConfig), ("mlp-towers-top:8:16:32:3", ChainConfig),
+    ("gpt:8:768:1024:6", GPTConfig), ("gpt:16:384:256:8", GPTConfig),
+    ("tv-resnet18:256:32", VisionConfig), ("tv-resnet18-dgl:256:32", VisionConfig),
+    ("tv-googlenet-aux:128:64", VisionConfig), ("tv-mobilenet-dgl:256:64", VisionConfig),
+    ("tv-efficientnet-dgl:128:64", VisionConfig), ("tv-vit-dgl:256:32", VisionConfig),
+])
+def test_every_config_kind_parses_and_prints_back(text, kind):
+    cfg = parse_config(text)
+    assert isinstance(cfg, kind) and str(cfg) == text
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gpt:8:768:1024", "is not gpt:B:d:T:K"),
+    ("gpt:8:100:1024:6", "multiple of 64"),
+    ("tv-resnet18-dgl:256", "is not name:B:image"),
+    ("tv-resnet50:256:32", "with name one of tv-resnet18"),
+    ("mlp:1:2:3", "is not kind:B:d:h:K"),
+    ("transformer:1:2:3:4", "gpt (gpt:B:d:T:K)"),
+])
+def test_malformed_configs_say_what_is_expected(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(text)
+
+
+def test_gpt_config_fields():
+    cfg = parse_config("gpt:8:768:1024:6")
+    assert (cfg.batch, cfg.d, cfg.seq, cfg.blocks, cfg.heads) == (8, 768, 1024, 6, 12)
+    assert parse_config("gpt:16:384:256:8").heads == 6
+    assert not models.takes_paper_scheme(cfg) and not models.is_random(cfg)
+    assert models.takes_paper_scheme(parse_config("mlp:8:16:32:3"))
+    assert not models.takes_paper_scheme(parse_config("mlp-towers:8:16:32:3"))
+    # 6 x tokens x multiply-adds: 12 d^2 + d V + T d per block and token
+    assert models.config_flops(cfg) == 6 * 8 * 1024 * 6 * (12 * 768**2 + 768 * 8192 + 1024 * 768)
+    assert models.config_flops(parse_config("tv-vit-dgl:256:32")) is None
+
+
+def tiny_gpt(amp_dtype=None):
+    cfg = GPTConfig.parse("gpt:2:64:8:3")
+    return cfg, GPTChain(cfg, amp_dtype=amp_dtype)
+
+
+def test_gpt_chain_trains_one_step_on_cpu():
+    cfg, model = tiny_gpt()
+    tokens, targets = models.gpt_inputs(cfg, torch.device("cpu"))
+    assert tokens.shape == targets.shape == (2, 8) and int(tokens.max()) < models.GPT_VOCAB
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = model(tokens, targets)
+    assert loss.shape == () and 3 * 8.5 < float(loss.detach()) < 3 * 9.5  # ~3 x log(8192) at init
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    optimizer.step()
+    # each block is trained by its own head only: block 1's loss leaves block 0 alone
+    model.zero_grad(set_to_none=True)
+    h = model.embed(tokens) + model.position(torch.arange(8))
+    h1 = model.blocks[1](model.blocks[0](h).detach())
+    logits = model.heads[1](h1).flatten(0, 1)
+    torch.nn.functional.cross_entropy(logits, targets.flatten()).backward()
+    assert model.blocks[0].attn.qkv.weight.grad is None
+
+
+def test_gpt_chain_under_bf16_autocast_keeps_fp32_parameters():
+    cfg, model = tiny_gpt(torch.bfloat16)
+    tokens, targets = models.gpt_inputs(cfg, torch.device("cpu"))
+    model(tokens, targets).backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in model.parameters())
+
+
+def test_every_gpt_block_but_the_last_runs_early():
+    import erase_fx
+    from graphs import check_parity
+
+    cfg, model = tiny_gpt()
+    with erase_fx.collect_reports() as reports:
+        check_parity(model, lambda: models.gpt_inputs(cfg, torch.device("cpu")), steps=1)
+    (report,) = reports
+    assert len(report.blocks) == cfg.blocks - 1
+
+
+def test_build_config_gives_model_and_batch_of_each_kind():
+    cpu = torch.device("cpu")
+    chain, inputs = models.build_config(parse_config("mlp:4:16:32:2"), cpu)
+    assert isinstance(chain, models.DetachedChain) and len(inputs) == 2
+    gpt, (tokens, targets) = models.build_config(parse_config("gpt:2:64:8:2"), cpu)
+    assert isinstance(gpt, GPTChain) and gpt.amp_dtype == torch.bfloat16
+    assert tokens.shape == (2, 8)
