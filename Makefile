@@ -4,17 +4,28 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-# NB: pin torch before installing the package: a bare "torch" requirement
-# would download a multi-GB CUDA build; 2.13.0's CPU wheel is on the CI disk.
+# torch: a compatible one that $(PYTHON) already has (a GPU machine's) is used
+# as it is, through a venv that sees the system's packages; otherwise the CPU
+# build of TORCH is installed: TORCH+cpu from the indexes pip is configured
+# with (local wheels, a mirror) when they hold it, else from PyTorch's CPU
+# index. NB: never a bare "torch" from PyPI, which is a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_TORCH := $(shell $(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if (2, 11) <= v <= (2, 15) else 1)" 2>/dev/null && echo yes)
 
 .PHONY: demo test setup clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+ifeq ($(HAS_TORCH),yes)
+	@echo "using the torch $(PYTHON) has: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+else
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q "$(TORCH)+cpu" 2>/dev/null || \
+	  $(PY) -m pip install -q $(TORCH) --index-url $(TORCH_CPU_INDEX)
+endif
 	$(PY) -m pip install -q -e '.[test,viz,paper]'
 	touch $@
 
