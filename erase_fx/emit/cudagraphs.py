@@ -122,14 +122,21 @@ def realize_outputs(plan: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
 
 
 class _OwnedMemory:
-    """The memory a graph owns, and whether anyone but the graph still uses it."""
+    """The memory a graph owns, and whether anyone but the graph still uses it.
+
+    NB: it holds each storage and its handle once, at capture, so that a check
+    before a replay is one C++ call per storage (about 60 of them on a small
+    chain, every step).
+    """
 
     def __init__(self, tensors: Sequence[Any]):
-        self.baseline = [(t, _storage_uses(t)) for t in tensors
-                         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()]
+        storages = [t.untyped_storage() for t in tensors
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()]
+        self.storages = storages  # held: part of the baseline below
+        self.baseline = [(s._cdata, _USE_COUNT(s._cdata)) for s in storages]
 
     def in_use(self) -> bool:
-        return any(_storage_uses(t) > uses for t, uses in self.baseline)
+        return any(_USE_COUNT(handle) > uses for handle, uses in self.baseline)
 
 
 class GraphedForward:
@@ -159,6 +166,7 @@ class GraphedForward:
         self.static_input_ptrs: list[int | None] = []
         self.copied_input_indices: list[int] = []
         self.static_outputs: list[Any] = []
+        self.saved_outputs: list[Any] = []
         self.saved_ptrs: list[int | None] = []
         self.saved_tensor_indices: list[int] = []
         self.memory = _OwnedMemory(())
@@ -222,6 +230,7 @@ class GraphedForward:
         self.graph = graph
         self.static_outputs = list(outputs)
         saved = self.static_outputs[self.num_user_outputs:]
+        self.saved_outputs = saved
         self.saved_ptrs = [o.data_ptr() if isinstance(o, torch.Tensor) else None for o in saved]
         self.saved_tensor_indices = [i for i, o in enumerate(saved) if isinstance(o, torch.Tensor)]
         # NB: saved tensors that are parameters are never overwritten by a
@@ -249,7 +258,10 @@ class GraphedForward:
             o.clone() if isinstance(o, torch.Tensor) else o
             for o in self.static_outputs[: self.num_user_outputs]
         ]
-        return user + realize_outputs(self.static_outputs[self.num_user_outputs:], ())
+        # NB: no AliasOf here (a forward's inputs are copied or static): one
+        # detach per saved tensor, the fresh alias the liveness check counts
+        return user + [o.detach() if isinstance(o, torch.Tensor) else o
+                       for o in self.saved_outputs]
 
     def replayed_saved(self, saved: Sequence[Any]) -> bool:
         """Whether ``saved`` (a backward's saved inputs) are the last replay's saved outputs."""
@@ -353,6 +365,10 @@ def _data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[i
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
 
 
+#: How many references a storage has (torch's cudagraph trees count the same way).
+_USE_COUNT = torch._C._storage_Use_Count
+
+
 def _storage_uses(tensor: torch.Tensor) -> int:
-    """How many tensors share this tensor's memory (torch's cudagraph trees count the same way)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    """How many tensors share this tensor's memory."""
+    return _USE_COUNT(tensor.untyped_storage()._cdata)
