@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
-from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
+from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
 from erase_fx.emit.inductor_segments import (
     compile_inductor_segments,
     keep_early_values_at_fx_strides,
@@ -140,8 +140,8 @@ class GraphCompilation:
         if self.graphed_forward is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
-        return GraphedBackward(compiled, self.graphed_forward, num_saved,
-                               name=f"graph {self.graph_id} backward")
+        return graph_backward(self.graphed_forward, compiled, num_saved,
+                              name=f"graph {self.graph_id} backward")
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:

@@ -10,8 +10,9 @@ import torch
 from erase_fx.emit import cudagraphs
 from erase_fx.emit.cudagraphs import (
     AliasOf,
-    GraphedBackward,
     GraphedForward,
+    Unreplayed,
+    graph_backward,
     _OwnedMemory,
     plan_outputs,
     realize_outputs,
@@ -129,9 +130,9 @@ def graphed(monkeypatch):
     w = torch.randn(3, 3)
     fw = GraphedForward(captured(forward), num_user_outputs=1, static_input_indices=[1],
                         device=torch.device("cpu"), name="test")
-    bw = GraphedBackward(
-        captured(backward, inputs_of=lambda: fw.static_outputs[1:] + bw.static_tangents),
-        fw, num_saved=2, name="test backward")
+    bw = graph_backward(
+        fw, captured(backward, inputs_of=lambda: fw.static_outputs[1:] + bw.static_tangents),
+        num_saved=2, name="test backward")
     return fw, bw, w
 
 
@@ -235,8 +236,58 @@ def test_inside_someone_elses_capture_the_program_runs_as_is(graphed, monkeypatc
     # a whole-step CUDA graph taken by the user captures the compiled program itself
     fw, bw, w = graphed
     replays = replaying(fw, bw, w)
-    monkeypatch.setattr(cudagraphs, "_capturing", lambda: True)
+    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: True)
     x = torch.randn(2, 3)
     loss, (grad, early) = step(fw, bw, w, x)
     assert (fw.replays, bw.replays) == replays
     assert torch.equal(loss, forward([x, w])[0]) and torch.equal(early, forward([x, w])[2])
+
+
+def test_every_reason_a_call_runs_without_its_graph(graphed, monkeypatch):
+    """The exits of the replay state machine, one by one (`Unreplayed`)."""
+    fw, bw, w = graphed
+    x = torch.randn(2, 3)
+    fw.calls = 0
+    fw.calls += 1
+    assert fw.unreplayed() is Unreplayed.WARM_UP  # a first call
+    replaying(fw, bw, w)
+    assert fw.unreplayed() is None
+    out = fw([x, w])  # replayed: its saved tensors are held now
+    assert fw.unreplayed() is Unreplayed.OUTPUTS_IN_USE
+    assert bw.unreplayed(out[1:] + [torch.ones(())]) is None
+    grads = bw(out[1:] + [torch.ones(())])
+    del out
+    assert fw.unreplayed() is Unreplayed.OUTPUTS_IN_USE  # the early grad aliases forward memory
+    other = [torch.randn(2, 3), torch.randn(3, 3), torch.ones(())]
+    assert bw.unreplayed(other) is Unreplayed.NOT_AFTER_A_REPLAY
+    del grads
+    assert fw.unreplayed() is None
+    out = fw([x, w])
+    monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: True)
+    assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.KEEPS_GRAPH
+    monkeypatch.setattr(cudagraphs, "backward_keeps_graph", lambda: False)
+    grads = bw(out[1:] + [torch.ones(())])
+    del out
+    out = fw([x, w])  # not replayed: grads held; its saved tensors are not a replay's
+    assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.NOT_AFTER_A_REPLAY
+    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: True)
+    assert fw.unreplayed() is Unreplayed.INSIDE_CAPTURE
+    assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.INSIDE_CAPTURE
+    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: False)
+    fw.disabled_reason, bw.disabled_reason = "capture failed: test", "capture failed: test"
+    assert fw.unreplayed() is Unreplayed.CAPTURE_FAILED
+    assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.CAPTURE_FAILED
+    del grads
+
+
+def test_a_backwards_gradients_still_held_block_its_replay(graphed):
+    # defensive: the forward does not replay over them either, so this is
+    # reached only by a backward over the last replay's saved tensors
+    fw, bw, w = graphed
+    replaying(fw, bw, w)
+    out = fw([torch.randn(2, 3), w])
+    grad, early = bw(out[1:] + [torch.ones(())])  # replayed: grad lives in graph memory
+    saved = [t.detach() for t in fw.saved_outputs]  # the last replay's saved tensors
+    assert bw.unreplayed(saved + [torch.ones(())]) is Unreplayed.GRADIENTS_IN_USE
+    del grad
+    assert bw.unreplayed(saved + [torch.ones(())]) is None

@@ -29,7 +29,7 @@ from erase_fx import CompiledStep, EraseOptionError, StepCaptureError, compile_s
 from erase_fx import step as step_module
 from erase_fx.emit import cudagraphs
 from erase_fx.emit.capture_scope import in_whole_step_scope, whole_step_scope
-from erase_fx.emit.cudagraphs import GraphedBackward, GraphedForward
+from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
 
 aten = torch.ops.aten
 
@@ -741,8 +741,8 @@ def test_erase_graphs_run_as_is_inside_the_whole_step_scope(monkeypatch):
     fw = GraphedForward(lambda args: calls.append("fw") or [args[0] * 2],
                         num_user_outputs=1, static_input_indices=[], device=torch.device("cpu"),
                         name="test")
-    bw = GraphedBackward(lambda args: calls.append("bw") or [args[0]], fw, num_saved=0,
-                         name="test backward")
+    bw = graph_backward(fw, lambda args: calls.append("bw") or [args[0]], num_saved=0,
+                        name="test backward")
     with whole_step_scope():
         assert in_whole_step_scope()
         for _ in range(3):

@@ -14,9 +14,11 @@ Rules that keep replay exact (each one has a test on the GPU in
   them in place. If one moves (``model.to(...)``, a reassigned parameter),
   the graph is captured again. Every other input is copied into a static
   buffer before replay.
-- **Memory shared by streams.** Under capture, a side stream's inputs are
-  held until the join (`CudaStreams`), so the capture never hands their
-  memory to main-stream work that would overwrite it during replay.
+- **Memory shared by streams.** Under capture, `StreamProgram` frees
+  nothing before the join at the end of the forward (``release_lag=None``),
+  so the capture never hands memory a side stream reads to main-stream work
+  that would overwrite it during replay; ``release_lag`` opts into releases
+  ordered by events (`erase_fx.emit.release`).
 - **Outputs are handed out, not copied.** Replay overwrites the memory of the
   previous replay's outputs. The forward's user-visible outputs (the loss,
   mutated buffers) are cloned (they are small). Everything else (the tensors
@@ -47,6 +49,12 @@ Rules that keep replay exact (each one has a test on the GPU in
   `erase_fx.compile_step` warms a step up or captures it
   (`erase_fx.emit.capture_scope.whole_step_scope`): its uncaptured warm-up
   calls must not capture graphs of ours that its graph never replays.
+- **Every call that does not replay** says why: `Unreplayed` (first call,
+  someone else captures, outputs or gradients still held, a backward not
+  after a replay or keeping its graph, a capture that failed). The
+  forward's `unreplayed()` and the backward's `unreplayed(args)` are the one
+  place each graph decides; `graph_backward` builds a forward's backward
+  and links the two.
 - **retain_graph=True.** The backward's graph scales early gradients in
   place (`erase_fx.emit.scale_grads`); a backward that keeps its graph runs
   without the CUDA graph, so a second backward reads unscaled saved tensors.
@@ -54,18 +62,43 @@ Rules that keep replay exact (each one has a test on the GPU in
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from erase_fx.emit.capture_scope import in_whole_step_scope
+from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.scale_grads import backward_keeps_graph
 
 log = logging.getLogger("erase_fx")
 
-BoxedCallable = Callable[[list[Any]], Any]
+
+class Unreplayed(str, enum.Enum):
+    """Why a call of a graphed forward or backward runs the compiled program without its graph.
+
+    Every other call replays (capturing first when there is no graph yet, or
+    when the forward's static inputs moved). `GraphedForward.unreplayed` and
+    `GraphedBackward.unreplayed` return one of these, or None.
+    """
+
+    #: the capture failed once: replay is off for good (the warning said why)
+    CAPTURE_FAILED = "capture_failed"
+    #: a forward's first call: lazy initialisation must not happen under capture
+    WARM_UP = "warm_up"
+    #: someone else captures the step (a user's graph, `erase_fx.compile_step`)
+    INSIDE_CAPTURE = "inside_capture"
+    #: a forward: tensors of its last replay are still held (saved for a
+    #: backward not run yet, or gradients kept as .grad)
+    OUTPUTS_IN_USE = "outputs_in_use"
+    #: a backward that keeps its graph (``retain_graph=True``)
+    KEEPS_GRAPH = "keeps_graph"
+    #: a backward whose saved tensors are not those of the last forward replay
+    NOT_AFTER_A_REPLAY = "not_after_a_replay"
+    #: a backward: gradients of its last replay are still held
+    GRADIENTS_IN_USE = "gradients_in_use"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +172,7 @@ class _OwnedMemory:
         return any(_USE_COUNT(handle) > uses for handle, uses in self.baseline)
 
 
-class GraphedForward:
+class GraphedForward(Boxed):
     """A compiled forward replayed from a CUDA graph; see the module docstring."""
 
     def __init__(
@@ -151,9 +184,7 @@ class GraphedForward:
         device: torch.device,
         name: str,
     ):
-        # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
-        # the instance __dict__, not class attributes, and AOT reads this flag.
-        self._boxed_call = True
+        super().__init__()
         self.fn = fn
         self.num_user_outputs = num_user_outputs
         self.static_input_indices = sorted(set(static_input_indices))
@@ -175,13 +206,24 @@ class GraphedForward:
         self.disabled_reason: str | None = None
         self._said_unreplayed = False
 
-    def __call__(self, args: list[Any]) -> list[Any]:
-        self.calls += 1
-        if self.disabled_reason is not None or self.calls == 1 or _capturing():
-            return list(self.fn(args))
+    def unreplayed(self) -> Unreplayed | None:
+        """Why this call must run without the graph, or None: it replays (capturing if needed)."""
+        if self.disabled_reason is not None:
+            return Unreplayed.CAPTURE_FAILED
+        if self.calls == 1:
+            return Unreplayed.WARM_UP
+        if _someone_else_captures():
+            return Unreplayed.INSIDE_CAPTURE
         if self.graph is not None and (self.memory.in_use() or (
                 self.backward is not None and self.backward.memory.in_use())):
-            if not self._said_unreplayed:
+            return Unreplayed.OUTPUTS_IN_USE
+        return None
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        self.calls += 1
+        reason = self.unreplayed()
+        if reason is not None:
+            if reason is Unreplayed.OUTPUTS_IN_USE and not self._said_unreplayed:
                 log.info("erase_fx %s: forward called while tensors of its last replay are in "
                          "use (saved for a backward not run yet, or gradients still held as "
                          ".grad): running such calls without the CUDA graph; call "
@@ -269,13 +311,22 @@ class GraphedForward:
                 and _data_ptrs_equal(list(saved), self.saved_ptrs, self.saved_tensor_indices))
 
 
-class GraphedBackward:
-    """A compiled backward replayed from a CUDA graph; see the module docstring."""
+def graph_backward(forward: GraphedForward, fn: BoxedCallable, num_saved: int,
+                   name: str) -> GraphedBackward:
+    """The graphed backward of a graphed forward, the two linked: each checks the other's memory."""
+    backward = GraphedBackward(fn, forward, num_saved, name)
+    forward.backward = backward
+    return backward
+
+
+class GraphedBackward(Boxed):
+    """A compiled backward replayed from a CUDA graph; see the module docstring.
+
+    Build it with `graph_backward`, which links it to its forward.
+    """
 
     def __init__(self, fn: BoxedCallable, forward: GraphedForward, num_saved: int, name: str):
-        # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
-        # the instance __dict__, not class attributes, and AOT reads this flag.
-        self._boxed_call = True
+        super().__init__()
         self.fn = fn
         self.forward = forward
         self.num_saved = num_saved
@@ -288,7 +339,6 @@ class GraphedBackward:
         self.memory = _OwnedMemory(())
         self.disabled_reason: str | None = None
         self._said_unreplayed = False
-        forward.backward = self
 
     def reset(self) -> None:
         """The forward was captured again: its saved tensors moved."""
@@ -296,22 +346,33 @@ class GraphedBackward:
         self.output_plan = []
         self.memory = _OwnedMemory(())
 
+    def unreplayed(self, args: list[Any]) -> Unreplayed | None:
+        """Why this call must run without the graph, or None: it replays (capturing if needed)."""
+        if self.disabled_reason is not None:
+            return Unreplayed.CAPTURE_FAILED
+        if _someone_else_captures():
+            return Unreplayed.INSIDE_CAPTURE
+        if backward_keeps_graph():
+            return Unreplayed.KEEPS_GRAPH
+        if not self.forward.replayed_saved(args[: self.num_saved]):
+            return Unreplayed.NOT_AFTER_A_REPLAY
+        if self.graph is not None and self.memory.in_use():
+            return Unreplayed.GRADIENTS_IN_USE
+        return None
+
     def __call__(self, args: list[Any]) -> Any:
-        if (self.disabled_reason is not None or _capturing()
-                or backward_keeps_graph()
-                or not self.forward.replayed_saved(args[: self.num_saved])):
-            return self.fn(args)
-        if self.graph is None:
-            self._capture(args)
-            if self.graph is None:
-                return self.fn(args)
-        elif self.memory.in_use():
-            if not self._said_unreplayed:
+        reason = self.unreplayed(args)
+        if reason is not None:
+            if reason is Unreplayed.GRADIENTS_IN_USE and not self._said_unreplayed:
                 log.info("erase_fx %s: gradients of the last replay are still in use "
                          "(accumulated across steps, or zero_grad(set_to_none=False)): "
                          "running such backwards without the CUDA graph", self.name)
                 self._said_unreplayed = True
             return self.fn(args)
+        if self.graph is None:
+            self._capture(args)
+            if self.graph is None:
+                return self.fn(args)
         else:
             torch._foreach_copy_(self.static_tangents, [args[i] for i in self.tangent_indices])
         sources = list(args[: self.num_saved]) + [None] * (len(args) - self.num_saved)
@@ -350,7 +411,7 @@ class GraphedBackward:
         self.memory = _OwnedMemory(owned + self.static_tangents)
 
 
-def _capturing() -> bool:
+def _someone_else_captures() -> bool:
     """Whether someone else captures the step: the current stream is being captured (ours run
     uncaptured), or `erase_fx.compile_step` warms up or captures the whole step."""
     return in_whole_step_scope() or (

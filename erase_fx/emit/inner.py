@@ -27,6 +27,19 @@ from erase_fx.passes.graph import output_node, output_values
 BoxedCallable = Callable[[list[Any]], Any]
 
 
+class Boxed:
+    """Base of erase_fx's compiled callables: AOTAutograd's boxed calling convention.
+
+    AOTAutograd calls a callable with ``_boxed_call`` set with one list of
+    arguments, which the callee may clear to free the inputs early.
+    """
+
+    def __init__(self) -> None:
+        # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
+        # the instance __dict__, not class attributes, and AOT reads this flag.
+        self._boxed_call = True
+
+
 def decompositions_for(inner: str) -> dict[Any, Any] | None:
     """The decomposition table AOTAutograd traces with, for an inner compiler."""
     if inner == "inductor":

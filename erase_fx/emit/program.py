@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.inner import BoxedCallable
+from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
 from erase_fx.errors import GraphInvariantError
@@ -70,7 +70,7 @@ class Step:
     joins: tuple[int, ...] = ()
 
 
-class StreamProgram:
+class StreamProgram(Boxed):
     """A compiled multi-stream forward, with AOTAutograd's boxed calling convention."""
 
     def __init__(
@@ -83,9 +83,7 @@ class StreamProgram:
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | None = None,
     ):
-        # NB: an instance attribute: wrappers such as torch._dynamo.disable copy
-        # the instance __dict__, not class attributes, and AOT reads this flag.
-        self._boxed_call = True
+        super().__init__()
         self.steps = steps
         self.num_inputs = num_inputs
         self.num_slots = num_slots

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from erase_fx.emit.inner import Boxed
 from erase_fx.passes.defer_grad_scaling import ScaledGrad
 
 try:
@@ -41,7 +42,7 @@ _MAX_PROGRAMS_PER_GRAD = 256
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class ScaledBackward:
+class ScaledBackward(Boxed):
     """A compiled backward whose early gradients come out unscaled; scales them.
 
     ``fn`` returns ``num_grads`` gradients then the scales; ``scaled`` says
@@ -50,8 +51,7 @@ class ScaledBackward:
 
     def __init__(self, fn: Callable[[list[Any]], Any], num_grads: int,
                  scaled: Sequence[ScaledGrad]):
-        # NB: an instance attribute: wrappers copy the instance __dict__, and AOT reads it.
-        self._boxed_call = True
+        super().__init__()
         self.fn = fn
         self.num_grads = num_grads
         self.scaled = tuple(scaled)
