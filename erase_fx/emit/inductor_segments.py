@@ -12,24 +12,27 @@ the FX graph, each a copy). So:
   about the whole forward, and every segment compiles with that answer
   (``layout_opt=``), as the whole graph would have.
 - **Strides flow between segments.** Only the outputs stock Inductor keeps
-  at the FX graph's strides (the user-visible outputs of the forward) are
-  marked so in the segment that makes them. Every other segment output gets
+  unpadded (the user-visible outputs of the forward) and the early values
+  (below) are marked so in the segment that makes them. Every other segment output gets
   the layout Inductor prefers; ``compile_fx_inner`` reports it
   (``TracingContext.report_output_strides``), and each later segment that
   reads the tensor is compiled for exactly those strides (its example input
   re-strided to them). The forward's saved tensors are reported to
   AOTAutograd in the same way a whole-graph compile reports them, so the
   backward is compiled for the strides the forward really produces.
-- **Early values keep the FX strides.** An early gradient leaves the forward
+- **Early values are never padded.** An early gradient leaves the forward
   as a saved tensor and reaches ``.grad`` through the backward unchanged, so
-  it must have the layout autograd expects of a gradient (the parameter's),
-  as the backward's own outputs do in stock Inductor: otherwise Inductor pads
-  its rows on a GPU (``comprehensive_padding``), and then AccumulateGrad
-  copies it and erase_fx cannot scale it in place (a copy of every early
-  gradient at every step, measured as 0.54 -> 0.66 ms on an H200 chain).
-  `keep_early_values_at_fx_strides` marks every early-backward value the
-  forward returns as user-visible, before the forward compiles (whole or in
-  segments).
+  it must be dense, as the backward's own outputs are in stock Inductor:
+  otherwise Inductor pads its rows on a GPU (``comprehensive_padding``),
+  and then AccumulateGrad copies it and erase_fx cannot scale it in place (a
+  copy of every early gradient at every step, measured as 0.54 -> 0.66 ms on
+  an H200 chain). `keep_early_values_at_fx_strides` marks every
+  early-backward value the forward returns as user-visible, before the
+  forward compiles (whole or in segments). A user-visible output keeps the
+  layout of its segment's FX graph, which follows the segment's (re-strided)
+  inputs, so it too is reported as made. Inductor's FX graph cache keys a
+  graph by its code, not its user-visible outputs: a cached segment whose
+  visible outputs come back padded is compiled again without the cache.
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
   the FX strides, the simple rule that needs no symbolic stride algebra.
 
@@ -104,7 +107,7 @@ def compile_inductor_segments(
         )
         with TracingContext.report_output_strides() as reported:
             compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-        if not keep_fx_strides and not _kept_fx_strides(segment, reported, held):
+        if not keep_fx_strides and not _dense(segment, reported, held):
             # NB: Inductor's FX graph cache keys a graph by its code, not by
             # which outputs are user-visible: the same segment code cached
             # with other outputs visible can come back with other strides.
@@ -113,12 +116,15 @@ def compile_inductor_segments(
             with inductor_config.patch(fx_graph_cache=False), \
                     TracingContext.report_output_strides() as reported:
                 compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-            if not _kept_fx_strides(segment, reported, held):
+            if not _dense(segment, reported, held):
                 raise GraphInvariantError(
-                    WHERE, f"Inductor did not keep the FX strides of {call.target}'s "
-                           f"user-visible outputs {held}")
+                    WHERE, f"Inductor padded user-visible outputs {held} of {call.target}")
         for i, node in getitems.items():
-            strides[node] = None if keep_fx_strides or node in visible else _reported_stride(
+            # NB: a user-visible output keeps the strides of the segment's own
+            # FX graph, which follow its inputs' (re-strided) layouts: report
+            # what was made, visible or not, so that readers and the backward
+            # are compiled for it.
+            strides[node] = None if keep_fx_strides else _reported_stride(
                 reported, i, call.target)
     if context is not None and context.output_strides is not None:
         context.output_strides.extend(
@@ -168,18 +174,30 @@ def _restrided(value: torch.Tensor, stride: Stride) -> torch.Tensor:
         return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
 
 
-def _kept_fx_strides(segment: fx.GraphModule, reported: Sequence[Any] | None,
-                     indices: Sequence[int]) -> bool:
-    """Whether the outputs at ``indices`` came out with the strides of the FX graph."""
+def _dense(segment: fx.GraphModule, reported: Sequence[Any] | None,
+           indices: Sequence[int]) -> bool:
+    """Whether the outputs at ``indices`` came out unpadded (a cache entry may have padded them)."""
     if reported is None:
         return True  # no tracing context: nothing reported, all outputs kept visible
     values = output_values(segment.graph)
     for i in indices:
+        strides = reported[i] if i < len(reported) else None
         value = values[i].meta.get("val") if isinstance(values[i], fx.Node) else None
-        if not isinstance(value, torch.Tensor) or i >= len(reported) or reported[i] is None:
+        if (strides is None or not isinstance(value, torch.Tensor)
+                or not all(isinstance(s, int) for s in (*strides, *value.shape))):
             continue
-        if tuple(reported[i]) != tuple(value.stride()):
+        if not _is_dense_layout(tuple(value.shape), tuple(strides)):
             return False
+    return True
+
+
+def _is_dense_layout(size: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a layout puts the elements in one span without gaps (in any dim order)."""
+    expected = 1
+    for stride, length in sorted((st, sz) for st, sz in zip(strides, size) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= length
     return True
 
 
