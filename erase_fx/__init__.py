@@ -8,6 +8,7 @@ gradients equal to eager.
 from erase_fx.backend import erase_backend, make_backend
 from erase_fx.config import EraseConfig
 from erase_fx.errors import (
+    EraseDistributedError,
     EraseError,
     EraseOptionError,
     EraseRuntimeError,
@@ -25,6 +26,7 @@ __all__ = [
     "BlockReport",
     "CompiledStep",
     "EraseConfig",
+    "EraseDistributedError",
     "EraseError",
     "EraseOptionError",
     "EraseRuntimeError",

@@ -18,6 +18,12 @@ Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
 or a stock pass that erase_fx's presence upset) compiles the graph with the
 stock backend instead, with the reason logged and in the report.
 
+Under DistributedDataParallel (`erase_fx.ddp`): Dynamo's DDP optimizer hands
+this backend whole graphs, not bucket-sized pieces, so blocks keep their
+local losses (a graph with no early block is split as usual), and a graph
+compiled inside a DDP module's forward all-reduces its early gradients
+during the forward (``early_allreduce``).
+
 NB: torch's ``aot_autograd(...)`` object drops keyword arguments it is called
 with, so ``options`` would be lost if it were registered directly; this plain
 function takes them and builds the backend itself.
@@ -35,7 +41,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from erase_fx import passes
+from erase_fx import ddp, passes
 from erase_fx.compilation import GraphCompilation, input_names
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
@@ -64,6 +70,8 @@ def erase_backend(
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm))
+    compilation.data_parallel = ddp.active_ddp_module()
+    compilation.require_early_blocks = ddp.whole_ddp_graph()
     # NB: stock compilers take ownership of the graph they compile and may
     # change it; the fallback compiles an untouched copy.
     original = copy_graph_module(gm) if cfg.on_error == "fallback" else None
@@ -75,6 +83,13 @@ def erase_backend(
     except Exception as error:  # noqa: BLE001 - the documented fallback
         if original is None or isinstance(error, _NOT_FAILURES):
             raise
+        if compilation.require_early_blocks:
+            # NB: a whole DDP graph: Dynamo's DDP optimizer splits it instead, as for the
+            # stock backend, and this backend compiles (or falls back on) each piece.
+            ddp.log.warning("erase_fx graph %d (a whole DDP graph) failed: %s: %s; Dynamo's DDP "
+                            "optimizer splits it", compilation.graph_id, type(error).__name__,
+                            error)
+            raise ddp.NoEarlyBlocks(compilation.graph_id) from error
         compilation.fall_back_whole(error)
         compiled = stock_backend(cfg.inner)(original, example_inputs)
     report = compilation.finish()
@@ -173,8 +188,9 @@ def _sources_hash() -> str:
 
 _SOURCES_HASH = _sources_hash()
 #: Exceptions that are not failures of a compile but Dynamo's way of saying
-#: "skip this frame" or "stop": they pass through the fallback.
-_NOT_FAILURES: tuple[type[BaseException], ...] = (torch._dynamo.exc.SkipFrame,)
+#: "skip this frame" or "stop" (or erase_fx's, to the DDP optimizer: "split
+#: this one as usual"): they pass through the fallback.
+_NOT_FAILURES: tuple[type[BaseException], ...] = (torch._dynamo.exc.SkipFrame, ddp.NoEarlyBlocks)
 
 
 def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
@@ -188,6 +204,12 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.
     return torch._dynamo.disable(run)
+
+
+# NB: marks the backend for Dynamo's DDP optimizer (erase_fx.ddp), which then
+# hands it whole graphs; installed when the backend is first looked up.
+ddp.mark_backend(erase_backend)
+ddp.keep_blocks_whole_under_ddp()
 
 
 def make_backend(**options: Any) -> Any:

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
+from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
 from erase_fx.emit.inductor_segments import (
@@ -76,6 +77,11 @@ class GraphCompilation:
         self.fw_metadata: Any = None
         self.graphed_forward: GraphedForward | None = None
         self.finished = False
+        #: the DDP module whose forward this graph is part of (`erase_fx.ddp`), or None
+        self.data_parallel: Any = None
+        #: a whole graph kept from Dynamo's DDP optimizer: without early blocks, hand it back
+        self.require_early_blocks = False
+        self.early_allreduce: EarlyAllReduce | None = None
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -94,12 +100,17 @@ class GraphCompilation:
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
         try:
-            return self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+            fw, bw = self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
         except Exception as error:  # noqa: BLE001 - the documented fallback
             self._fall_back("partition", error)
             self.has_early_blocks = False
-            return stock_partition(joint, joint_inputs, self.cfg,
-                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+            fw, bw = stock_partition(joint, joint_inputs, self.cfg,
+                                     num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if self.require_early_blocks and not self.has_early_blocks:
+            raise NoEarlyBlocks(self.graph_id)
+        if self.has_early_blocks and self.data_parallel is not None and self.cfg.early_allreduce:
+            self._plan_early_allreduce(fw, bw, num_fwd_outputs)
+        return fw, bw
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                       **inductor_kwargs: Any) -> Any:
@@ -137,6 +148,8 @@ class GraphCompilation:
                 self._fall_back("compile_backward", error, keep_schedule=True)
         if compiled is None:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
+        if self.early_allreduce is not None:
+            compiled = self.early_allreduce.wrap_backward(compiled)
         if self.graphed_forward is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
@@ -145,6 +158,8 @@ class GraphCompilation:
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
+        if self.require_early_blocks:
+            raise NoEarlyBlocks(self.graph_id)
         self.report = self.report.with_fallback("inference graph: no backward to run early")
         return compile_graph(gm, example_inputs, self.cfg.inner, **inductor_kwargs)
 
@@ -193,7 +208,10 @@ class GraphCompilation:
             streams = VirtualStreams()
         else:
             streams = CudaStreams(device, self.cfg.streams)
-        return StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag)
+        program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag)
+        if self.early_allreduce is not None:
+            self.early_allreduce.attach(program)
+        return program
 
     def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any]) -> Any:
@@ -212,6 +230,19 @@ class GraphCompilation:
             deferred.num_grads, deferred.scaled)
 
     # -- helpers --------------------------------------------------------------
+
+    def _plan_early_allreduce(self, fw: fx.GraphModule, bw: fx.GraphModule,
+                              num_fwd_outputs: int) -> None:
+        """Under DDP: which early gradients the forward all-reduces (`erase_fx.ddp`)."""
+        try:
+            self.early_allreduce = early_allreduce_for(
+                self.data_parallel, self.graph_id, fw, bw, num_fwd_outputs, self.cfg.on_error)
+        except Exception as error:  # noqa: BLE001 - DDP then reduces every gradient, as usual
+            if self.cfg.on_error == "raise":
+                raise
+            log.warning("erase_fx graph %d: no early all-reduce (DDP reduces every gradient at "
+                        ".backward()): %s: %s", self.graph_id, type(error).__name__, error)
+            self.early_allreduce = None
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
@@ -275,6 +306,11 @@ class GraphCompilation:
         """Wrap the compiled forward in CUDA graph replay when the config and graph allow it."""
         device = cuda_device_of(example_inputs)
         if device is None or self.cfg.cudagraphs is False:
+            return compiled
+        if self.early_allreduce is not None and self.early_allreduce.attached:
+            log.info("erase_fx graph %d: no CUDA graphs: it all-reduces early gradients in the "
+                     "forward (early_allreduce), which replay cannot do step by step",
+                     self.graph_id)
             return compiled
         if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
                 isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs):

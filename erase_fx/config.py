@@ -83,6 +83,13 @@ class EraseConfig:
             it. Outside capture the caching allocator frees every tensor as
             soon as its last reader is done, whatever this says (see
             `erase_fx.emit.release`).
+        early_allreduce: under DistributedDataParallel, all-reduce each early
+            block's gradients during the forward, as soon as its early backward
+            ends (one flat buffer per block, on a communication stream;
+            divided by the world size as DDP does), instead of at
+            ``.backward()`` through DDP's buckets; DDP's reducer then skips
+            them (a communication hook; see `erase_fx.ddp`). ``False``: DDP
+            reduces every gradient, as without erase_fx. No effect without DDP.
         on_error: what a failure inside erase_fx does: ``"fallback"`` logs a
             warning with the reason and compiles the graph on the stock path
             (no early block, gradients still exact); ``"raise"`` raises the
@@ -100,6 +107,7 @@ class EraseConfig:
     dump_dir: str | None = None
     overlap: bool = True
     release_lag: int | None = None
+    early_allreduce: bool = True
     on_error: str = "fallback"
 
     def __post_init__(self) -> None:
@@ -116,6 +124,7 @@ class EraseConfig:
         if self.cudagraphs is not None:
             _check_type("cudagraphs", self.cudagraphs, bool)
         _check_type("overlap", self.overlap, bool)
+        _check_type("early_allreduce", self.early_allreduce, bool)
         if self.release_lag is not None:
             _check_type("release_lag", self.release_lag, int)
             if self.release_lag < 1:

@@ -81,6 +81,17 @@ class EraseRuntimeError(EraseError):
     """A use of a compiled graph that erase_fx cannot run exactly (e.g. double backward)."""
 
 
+class EraseDistributedError(EraseError):
+    """A data-parallel setup erase_fx cannot run as asked (``on_error="raise"``).
+
+    For example a DDP module that already has a communication hook (erase_fx's
+    early all-reduce needs its own), or an FSDP2 model whose early blocks
+    cannot be made exact. ``fix`` says what to change; under
+    ``on_error="fallback"`` the same cases log the reason and DDP (or FSDP2)
+    reduces every gradient as it would without erase_fx.
+    """
+
+
 class StepCaptureError(EraseError):
     """`erase_fx.compile_step` cannot capture the step in a CUDA graph (``on_unsupported="raise"``).
 

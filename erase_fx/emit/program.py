@@ -24,12 +24,18 @@ name>)`` (``erase_fx/seg_1_block_0_stream_1``: the segment, its block and
 stream), so traces show which segment launched which kernels; with no
 profiler active the steps run bare, at no cost. CUDA graph replay runs no
 steps, so its traces hold no such labels.
+
+Completion hooks (`StreamProgram.add_completion_hooks`) let a caller act on
+some results as soon as the steps that make them have been launched, in the
+middle of the forward: `erase_fx.ddp` all-reduces each early block's
+gradients there, on the communication stream (`StreamOps.run_comm`), while
+the rest of the forward runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +76,31 @@ class Step:
     joins: tuple[int, ...] = ()
 
 
+#: ``begin(inputs)``: called with a forward's inputs before any step runs;
+#: what it returns is that call's context (``None``: no completion hook runs).
+BeginHook = Callable[[Sequence[Any]], Any]
+#: ``fn(context, values, streams, stream_ops)``: the hooked results' values,
+#: once every step that makes them has been launched on ``streams``.
+CompletionFn = Callable[[Any, list[Any], tuple[int, ...], StreamOps], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionHook:
+    """A callback on some results of the forward, run right after the last step that makes one.
+
+    Attributes:
+        results: indices of the hooked graph outputs.
+        after: the step after which they are all launched (-1: before the first step).
+        streams: the streams of the steps that make them (the work to wait for).
+        fn: the callback.
+    """
+
+    results: tuple[int, ...]
+    after: int
+    streams: tuple[int, ...]
+    fn: CompletionFn
+
+
 class StreamProgram(Boxed):
     """A compiled multi-stream forward, with AOTAutograd's boxed calling convention."""
 
@@ -101,6 +132,38 @@ class StreamProgram(Boxed):
             plan_captured_releases(
                 [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
                 {slot for kind, slot in results if kind == "slot"}, release_lag)
+        self.begin_hook: BeginHook | None = None
+        self.completion_hooks: dict[int, tuple[CompletionHook, ...]] = {}
+
+    def add_completion_hooks(
+        self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
+    ) -> tuple[CompletionHook, ...]:
+        """Run ``begin`` at each call, and each ``(results, fn)`` once those results are launched.
+
+        A hooked result must be a graph output; one the program does not make
+        (an input, a constant) counts as ready from the start. The hooks only
+        read the results (they may write them in place on their own stream):
+        slots and lifetimes stay as they are.
+        """
+        producer = {slot: (k, step.stream) for k, step in enumerate(self.steps)
+                    for slot in step.outputs if slot >= 0}
+        placed = []
+        for results, fn in hooks:
+            results = tuple(results)
+            made = [producer[self.results[i][1]] for i in results
+                    if self.results[i][0] == "slot" and self.results[i][1] in producer]
+            placed.append(CompletionHook(
+                results=results,
+                after=max((k for k, _ in made), default=-1),
+                streams=tuple(sorted({stream for _, stream in made})),
+                fn=fn,
+            ))
+        by_step: dict[int, list[CompletionHook]] = {}
+        for hook in placed:
+            by_step.setdefault(hook.after, []).append(hook)
+        self.begin_hook = begin
+        self.completion_hooks = {k: tuple(v) for k, v in by_step.items()}
+        return tuple(placed)
 
     @classmethod
     def build(
@@ -170,23 +233,35 @@ class StreamProgram(Boxed):
         env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
         for slot, value in self.constants:
             env[slot] = value
+        context = self.begin_hook(args) if self.begin_hook is not None else None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
+        if context is not None:
+            self._complete(-1, env, context)
         if self.side_streams and _capturing():
-            self._run_captured(env)
+            self._run_captured(env, context)
         else:
-            self._run(env)
+            self._run(env, context)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
 
-    def _run(self, env: list[Any]) -> None:
+    def _run(self, env: list[Any], context: Any = None) -> None:
         """Each slot dropped after its last reader; ``record_stream`` guards cross-stream reuse."""
-        for step in self.steps:
+        for k, step in enumerate(self.steps):
             self._launch(step, env)
             for slot in step.frees:
                 env[slot] = None
+            if context is not None:
+                self._complete(k, env, context)
 
-    def _run_captured(self, env: list[Any]) -> None:
+    def _complete(self, k: int, env: list[Any], context: Any) -> None:
+        """The completion hooks due after step ``k`` (-1: before the first)."""
+        for hook in self.completion_hooks.get(k, ()):
+            values = [env[self.results[i][1]] if self.results[i][0] == "slot"
+                      else self.results[i][1] for i in hook.results]
+            hook.fn(context, values, hook.streams, self.streams)
+
+    def _run_captured(self, env: list[Any], context: Any = None) -> None:
         """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
 
         NB: a step output that lives in memory an earlier value already had
@@ -199,8 +274,10 @@ class StreamProgram(Boxed):
             # NB: by default nothing is freed before the join under capture,
             # where memory freed is not guarded by the streams that read it
             # (a race seen on an H200); `release_lag` opts into the plan.
-            for step in self.steps:
+            for k, step in enumerate(self.steps):
                 self._launch(step, env)
+                if context is not None:
+                    self._complete(k, env, context)
             return
         seen = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
         pinned: set[int] = set()
@@ -223,6 +300,8 @@ class StreamProgram(Boxed):
             for slot in plan.drops_after[k]:
                 if slot not in pinned:
                     env[slot] = None
+            if context is not None:
+                self._complete(k, env, context)
 
     def _launch(self, step: Step, env: list[Any]) -> None:
         inputs = [env[i] for i in step.inputs]

@@ -4,18 +4,24 @@
 stream (a main-stream segment first waits for the side streams in
 ``joins``); `StreamOps.join(streams, outputs)` ends a forward: the main
 stream waits for the side streams, and outputs made there become safe to use
-on the main stream.
+on the main stream. `StreamOps.run_comm(after, tensors, fn)` runs collective
+work (`erase_fx.ddp`'s early all-reduce) on a communication stream once the
+streams in ``after`` have done the work launched on them so far;
+`StreamOps.wait_comm()` makes the current stream wait for it (the backward
+does, before it reads what was reduced).
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from erase_fx.emit.inner import BoxedCallable
 from erase_fx.passes import MAIN_STREAM
+
+T = TypeVar("T")
 
 
 class StreamOps(Protocol):
@@ -28,6 +34,11 @@ class StreamOps(Protocol):
     def record_event(self, stream: int) -> Any: ...
 
     def wait_events(self, events: Sequence[Any]) -> None: ...
+
+    def run_comm(self, after: Sequence[int], tensors: Sequence[Any],
+                 fn: Callable[[], T]) -> T: ...
+
+    def wait_comm(self) -> None: ...
 
 
 class VirtualStreams:
@@ -65,6 +76,16 @@ class VirtualStreams:
         if self.trace is not None:
             self.trace.append(("wait_events", tuple(events)))
 
+    def run_comm(self, after: Sequence[int], tensors: Sequence[Any], fn: Callable[[], T]) -> T:
+        """In program order: the collective runs now (on CPU, gloo's blocking call)."""
+        if self.trace is not None:
+            self.trace.append(("comm", tuple(after)))
+        return fn()
+
+    def wait_comm(self) -> None:
+        if self.trace is not None:
+            self.trace.append(("wait_comm",))
+
 
 class CudaStreams:
     """CUDA: side steps run on side streams forked from, and joined to, the current stream."""
@@ -72,6 +93,7 @@ class CudaStreams:
     def __init__(self, device: torch.device, num_side_streams: int):
         self.device = device
         self.side = side_streams(device, num_side_streams)
+        self._comm: torch.cuda.Stream | None = None
 
     def run(
         self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
@@ -111,6 +133,38 @@ class CudaStreams:
         for event in events:
             main.wait_event(event)
 
+    @property
+    def comm(self) -> torch.cuda.Stream:
+        """The device's communication stream (made on first use, shared by every graph)."""
+        if self._comm is None:
+            self._comm = comm_stream(self.device)
+        return self._comm
+
+    def run_comm(self, after: Sequence[int], tensors: Sequence[Any], fn: Callable[[], T]) -> T:
+        """``fn`` on the communication stream, after the work launched so far on ``after``.
+
+        ``tensors`` (made on those streams) are marked as used by the
+        communication stream, so their memory is not handed out again before
+        it is done with them. NCCL runs the collective itself on its own
+        stream, ordered after the communication stream's work and before its
+        later work (``Work.wait()``).
+        """
+        comm = self.comm
+        main = torch.cuda.current_stream(self.device)
+        for stream in after:
+            comm.wait_stream(main if stream == MAIN_STREAM else self.side[stream - 1])
+        if not torch.cuda.is_current_stream_capturing():
+            for value in tensors:
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(comm)
+        with torch.cuda.stream(comm):
+            return fn()
+
+    def wait_comm(self) -> None:
+        """The current stream waits for the communication stream's work so far."""
+        if self._comm is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._comm)
+
     def _wait_for(self, main: torch.cuda.Stream, streams: Sequence[int],
                   side_values: Sequence[Any]) -> None:
         """The main stream waits for side streams before it uses values made there."""
@@ -135,3 +189,15 @@ def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
         while len(streams) < count:
             streams.append(torch.cuda.Stream(device=index))
         return streams[:count]
+
+
+_comm_pool: dict[int, torch.cuda.Stream] = {}
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The communication stream of a device, shared by every compiled graph."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _pool_lock:
+        if index not in _comm_pool:
+            _comm_pool[index] = torch.cuda.Stream(device=index)
+        return _comm_pool[index]
