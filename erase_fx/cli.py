@@ -18,19 +18,22 @@ Subcommands:
 
       erase-fx explain erase_fx.demo:ff_factory --dump /tmp/erase_dump
 
-- ``erase-fx profile module:factory [--steps N] [--warmup W] [--out trace.json]
+- ``erase-fx profile module:factory [--steps N] [--warmup W] [--out PATH]
   [--options JSON] [--device DEV]``: trains factory()'s model (its forward
   returns a scalar loss) with ``backend="erase"``: ``W`` warm-up steps, then
-  ``N`` steps (forward and ``loss.backward()``) under ``torch.profiler``; writes
-  the Chrome trace to ``--out`` and prints the measured overlap: side-stream
-  kernel time, the part of it that overlapped main-stream kernels, and the
-  fraction (`erase_fx.profile.kernel_overlap`). The backend runs with its
+  ``N`` steps (forward and ``loss.backward()``) under ``torch.profiler``; prints
+  the settings in force (every `EraseConfig` field, ``--options`` applied),
+  writes the Chrome trace to ``--out`` (default
+  ``erase_fx_traces/trace.json``, the folder made if need be) and prints the
+  measured overlap: side-stream kernel time, the part of it that overlapped
+  main-stream kernels, and the fraction (`erase_fx.profile.kernel_overlap`).
+  The backend runs with its
   defaults (CUDA graphs on a GPU), whose replay hides the per-segment labels
   (``erase_fx/<segment>``); ``--options '{"cudagraphs": false}'`` shows them.
   ``--device`` defaults to CUDA when available; on
   CPU it says that overlap needs a GPU and still writes the trace. Example::
 
-      erase-fx profile erase_fx.demo:ff_factory --steps 20 --out ff_trace.json
+      erase-fx profile erase_fx.demo:ff_factory --steps 20
 
 Exit codes: 0 on success; 2 on a usage error (a spec without a colon, a
 module that cannot be imported, a factory that is missing, raises or returns
@@ -41,16 +44,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import erase_fx
 from erase_fx.errors import EraseError, EraseOptionError
 from erase_fx.instruments import pydot_available
+from erase_fx.profile import DEFAULT_TRACE_PATH
 from erase_fx.report import GraphReport
 from erase_fx.report_text import first_names, format_report
 
@@ -169,7 +174,9 @@ def run_profile(args: argparse.Namespace) -> int:
                          f"{args.warmup}")
     device = _device(args.device)
     out_folder = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_folder):
+    # NB: profile_training makes erase_fx's own folder when it writes the trace; a
+    # folder the user named must exist (a typo), checked before the compilation.
+    if args.out != DEFAULT_TRACE_PATH and not os.path.isdir(out_folder):
         raise UsageError(f"--out {args.out!r}: folder {out_folder!r} does not exist")
     model, model_args, model_kwargs = load_factory_result(args.spec)
     try:
@@ -178,9 +185,11 @@ def run_profile(args: argparse.Namespace) -> int:
                                device=device)
     except NotALossError as error:
         raise UsageError(f"{args.spec}: {error}") from error
+    settings = erase_fx.EraseConfig.from_options(run.options)
     print(f"profiled {run.steps} training step(s) of {args.spec} on {run.device} after "
-          f"{args.warmup} warm-up step(s); erase options {json.dumps(dict(run.options))}")
-    if run.device.startswith("cuda") and run.options.get("cudagraphs") is not False:
+          f"{args.warmup} warm-up step(s)")
+    print(f"erase settings: {settings_text(settings, run.options)}")
+    if run.device.startswith("cuda") and settings.cudagraphs is not False:
         print("  (CUDA graph replay hides the per-segment labels; "
               "--options '{\"cudagraphs\": false}' shows them)")
     print(f"trace: {run.trace_path} (open in chrome://tracing or https://ui.perfetto.dev)")
@@ -192,6 +201,12 @@ def run_profile(args: argparse.Namespace) -> int:
     else:
         print(f"overlap: {run.overlap.summary()}")
     return 0
+
+
+def settings_text(settings: erase_fx.EraseConfig, options: Mapping[str, Any]) -> str:
+    """Every `EraseConfig` field as JSON, in field order, then the ones ``--options`` gave."""
+    fields = json.dumps(dataclasses.asdict(settings), default=str)
+    return f"{fields} (from --options: {', '.join(options) or 'none'})"
 
 
 def _device(name: str) -> str | None:
@@ -277,8 +292,9 @@ def add_profile_parser(commands: Any) -> None:
     profile.add_argument("--warmup", type=int, default=3, metavar="W",
                          help="steps to run before profiling; compilation happens here "
                          "(default 3)")
-    profile.add_argument("--out", default="trace.json", metavar="PATH",
-                         help="where to write the Chrome trace (default trace.json)")
+    profile.add_argument("--out", default=DEFAULT_TRACE_PATH, metavar="PATH",
+                         help=f"where to write the Chrome trace (default {DEFAULT_TRACE_PATH}, "
+                         f"its folder made if need be; git ignores it in a checkout)")
     profile.add_argument("--options", metavar="JSON",
                          help='erase backend options as a JSON object, e.g. \'{"streams": 2}\' '
                          '(default: the backend\'s defaults)')
@@ -304,7 +320,7 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["demo"]:
         from erase_fx import demo
 
-        return demo.main(argv[1:])
+        return demo.main(argv[1:], prog=f"{PROG} demo")
     args = build_parser().parse_args(argv)
     run = {"explain": run_explain, "profile": run_profile}[args.command]
     try:

@@ -174,7 +174,7 @@ class GraphCompilation:
             "find_stop_gradient_blocks", find_stop_gradient_blocks, joint, self.cfg,
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
         )
-        self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg)
+        self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg, joint=joint)
         self._handle_unsupported(analysis)
         if not analysis.blocks:
             self.report = self.report.with_fallback("no early block")

@@ -31,8 +31,9 @@ names give the step and pass.
 
 ``schedule.dot`` is `erase_fx.schedule_picture.schedule_dot` of the
 forward after ``assign_streams``: nodes coloured by stream, clustered by
-block, early-backward nodes as boxes, cross-stream syncs dashed. Without
-``pydot`` (``pip install erase-fx[viz]``) it is skipped with one INFO line;
+block, early-backward nodes as boxes, cross-stream syncs dashed, parameters
+labelled with their qualified names (`param_names_by_input`, from the
+analysis). Without ``pydot`` (``pip install erase-fx[viz]``) it is skipped with one INFO line;
 without Graphviz's ``dot`` binary there is no ``schedule.svg``
 (``dot -Tsvg schedule.dot -o schedule.svg`` renders it elsewhere).
 
@@ -64,6 +65,7 @@ import torch._logging
 import torch.fx as fx
 
 from erase_fx.passes import BlockAnalysis, DeferredScaling, PassResult, SegmentedForward, get_meta
+from erase_fx.passes.graph import primals
 from erase_fx.report import GraphReport
 
 log = logging.getLogger("erase_fx")
@@ -135,6 +137,10 @@ class DumpInstrument:
         self.timings: list[dict[str, Any]] = []
         self._running: str | None = None
         self._reported = False
+        #: the joint graph's primal inputs, by name, in order; then the
+        #: parameters' qualified names by input name, for the picture's labels
+        self._primals: list[str] = []
+        self._param_names: dict[str, str] = {}
 
     def before_pass(self, name: str, args: tuple[Any, ...]) -> None:
         self._running = name
@@ -155,6 +161,10 @@ class DumpInstrument:
             self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
             # NB: backward passes run after the report: their timings are traced again.
             self._write(TIMINGS_FILE, timings_json(self.timings), emit=self._reported)
+        if name == "joint" and isinstance(result, fx.GraphModule):
+            self._primals = [node.name for node in primals(result.graph)]
+        if isinstance(result, BlockAnalysis):
+            self._param_names = param_names_by_input(self._primals, result)
         if name == SCHEDULE_PASS and isinstance(result, PassResult):
             self._write_schedule(result.gm, step)
 
@@ -172,7 +182,7 @@ class DumpInstrument:
             return
         from erase_fx.schedule_picture import render_svg, schedule_dot
 
-        text = schedule_header(step) + schedule_dot(gm).to_string()
+        text = schedule_header(step) + schedule_dot(gm, self._param_names).to_string()
         self._write(SCHEDULE_DOT_FILE, text)
         if self.folder is None:
             return
@@ -196,6 +206,23 @@ class DumpInstrument:
 
     def _emit(self, file_name: str, text: str) -> None:
         emit_artifact(artifact_name(self.folder_name, file_name), text)
+
+
+def param_names_by_input(primal_inputs: list[str], analysis: BlockAnalysis) -> dict[str, str]:
+    """``{"primals_1": "stages.0.body.0.weight", ...}``: the parameters the analysis names.
+
+    ``primal_inputs`` are the joint graph's primal input names in order: a
+    component's ``grad_outputs`` hold primal indices, its ``params`` the
+    qualified names of the same primals, in index order.
+    """
+    names = {}
+    components = [(b.component, b.params) for b in analysis.blocks]
+    components += [(r.component, r.params) for r in analysis.rejected]
+    for component, params in components:
+        for (index, _), param in zip(sorted(component.grad_outputs), params):
+            if index < len(primal_inputs):
+                names[primal_inputs[index]] = param
+    return names
 
 
 def artifact_name(folder_name: str, file_name: str) -> str:

@@ -46,6 +46,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+#: Where `profile_training` and ``erase-fx profile`` write the trace by default: a
+#: folder of erase_fx's own (made if need be), which a checkout's ``.gitignore`` lists.
+DEFAULT_TRACE_PATH = os.path.join("erase_fx_traces", "trace.json")
 #: Chrome trace categories that count as kernels.
 KERNEL_CATEGORIES = ("kernel",)
 #: Profiler event name prefixes that are device work but not kernels.
@@ -259,7 +262,7 @@ class ProfileRun:
         trace_path: the Chrome trace it exported.
         device: where the model ran (``"cpu"``, ``"cuda:0"``).
         steps: the profiled training steps (warm-up steps not included).
-        options: the erase backend options used.
+        options: the erase backend options given (the rest are `EraseConfig`'s defaults).
         segment_labels: the distinct ``erase_fx/<segment>`` labels in the trace.
         overlap: the kernel overlap; None on CPU (no kernels, no streams).
     """
@@ -280,7 +283,7 @@ def profile_training(
     steps: int,
     warmup: int = 2,
     options: Mapping[str, Any] | None = None,
-    trace_path: str | os.PathLike = "trace.json",
+    trace_path: str | os.PathLike = DEFAULT_TRACE_PATH,
     device: str | None = None,
 ) -> ProfileRun:
     """Train ``model`` with ``backend="erase"`` under ``torch.profiler``; measure the overlap.
@@ -291,7 +294,8 @@ def profile_training(
     ``warmup`` steps (compilation happens there), then ``steps`` steps of
     ``loss = model(*args, **kwargs); loss.backward()`` under the profiler (CPU
     activity, and CUDA when on a GPU), exports the Chrome trace to
-    ``trace_path`` and reads the kernel overlap from it (`kernel_overlap`).
+    ``trace_path`` (its folder made if missing; default `DEFAULT_TRACE_PATH`)
+    and reads the kernel overlap from it (`kernel_overlap`).
     """
     import torch
 
@@ -330,6 +334,7 @@ def profile_training(
         if on_gpu:
             torch.cuda.synchronize(target)
     trace_path = os.fspath(trace_path)
+    os.makedirs(os.path.dirname(os.path.abspath(trace_path)), exist_ok=True)
     prof.export_chrome_trace(trace_path)
     trace = _load_json(trace_path)
     labels = sorted({

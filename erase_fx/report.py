@@ -13,8 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch.fx as fx
+
 from erase_fx.config import EraseConfig
 from erase_fx.passes import BlockAnalysis, stream_of_block
+from erase_fx.passes.split_at_sums import module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,10 @@ class BlockReport:
         pieces: how many pieces it launches in, each at its own ready point
             on its stream (its loss terms' parts, then their sums and what
             follows); 0 for a block launched whole.
+        ready_after_origin: where in the model ``ready_after`` is, for
+            people: the module and the op (`node_origin`), e.g.
+            ``stages.0.head (cross_entropy)``; None when the report was made
+            without the joint graph.
     """
 
     id: int
@@ -50,6 +57,7 @@ class BlockReport:
     flops: int
     partials: int = 0
     pieces: int = 0
+    ready_after_origin: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,8 @@ class RejectedReport:
         node: the graph node the reason is about, if any.
         num_nodes: how many graph nodes it has.
         flops: estimated FLOPs.
+        node_origin: where in the model ``node`` is (`node_origin`); None
+            without a node, or when the report was made without the joint graph.
     """
 
     params: tuple[str, ...]
@@ -71,6 +81,7 @@ class RejectedReport:
     node: str | None
     num_nodes: int
     flops: int
+    node_origin: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +115,16 @@ class GraphReport:
 
     @classmethod
     def from_analysis(
-        cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig
+        cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig,
+        joint: fx.GraphModule | None = None,
     ) -> GraphReport:
+        """The report of ``analysis``; with the ``joint`` graph it was made from, each
+        ready point and rejected node also says where in the model it is."""
+        by_name = {node.name: node for node in joint.graph.nodes} if joint is not None else {}
+
+        def origin(name: str | None) -> str | None:
+            return node_origin(by_name[name]) if name in by_name else None
+
         return cls(
             graph_id=graph_id,
             blocks=tuple(
@@ -119,6 +138,8 @@ class GraphReport:
                     flops=b.component.flops,
                     partials=len(b.component.partials),
                     pieces=len(b.component.pieces),
+                    ready_after_origin=origin(
+                        (b.component.piece_ready or (b.component.ready_after,))[0]),
                 )
                 for b in analysis.blocks
             ),
@@ -130,6 +151,7 @@ class GraphReport:
                     node=r.node,
                     num_nodes=r.component.num_nodes,
                     flops=r.component.flops,
+                    node_origin=origin(r.node),
                 )
                 for r in analysis.rejected
             ),
@@ -174,6 +196,48 @@ class GraphReport:
             RejectedReport(**{**r, "params": tuple(r["params"])}) for r in data.get("rejected", ())
         )
         return cls(**data)
+
+
+def node_origin(node: fx.Node) -> str:
+    """Where in the model a joint-graph node is, for people: ``tower_heads.0 (squeeze)``.
+
+    The module is the one whose forward made the node (`module_path`), or,
+    for code of a forward that calls no module (a loss computed in the
+    model's own ``forward``), the nearest module upstream whose output it
+    reads. The op is the function or module class Dynamo recorded
+    (``source_fn_stack``: ``cross_entropy``, ``Linear``), else the aten op.
+    Only the op when no module is found.
+    """
+    module = module_path(node) or _nearest_module_upstream(node)
+    return f"{module} ({_op_name(node)})" if module else _op_name(node)
+
+
+def _op_name(node: fx.Node) -> str:
+    for key in ("source_fn_stack", "fwd_source_fn_stack"):
+        if node.meta.get(key):
+            source = node.meta[key][-1][-1]
+            return source if isinstance(source, str) else getattr(source, "__name__", node.name)
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or node.name
+
+
+def _nearest_module_upstream(node: fx.Node) -> str | None:
+    """The `module_path` of the closest input (breadth first, inputs in order) that has one."""
+    seen = {node}
+    frontier = [node]
+    while frontier:
+        inputs = []
+        for current in frontier:
+            for source in current.all_input_nodes:
+                if source not in seen:
+                    seen.add(source)
+                    inputs.append(source)
+        for source in inputs:
+            path = module_path(source)
+            if path:
+                return path
+        frontier = inputs
+    return None
 
 
 # Reports are published to every open `collect_reports()` of this thread.

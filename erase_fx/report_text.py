@@ -1,11 +1,12 @@
 """Reports as text: the table ``erase-fx explain`` and the demo print.
 
 `format_report` renders a `GraphReport`: each early block with its stream,
-parameters, ready point and estimated backward FLOPs, then each component
-left in the backward with its reason, and under it the reason in words
-(wrapped: for loss terms that meet in sums of gradients it names the modules
-where they meet). `format_table` lays out any rows in
-left-aligned columns.
+parameters, ready point (where in the model: module and op) and estimated
+backward FLOPs, then each component left in the backward with its reason,
+and under it the reason in words (wrapped: for loss terms that meet in sums
+of gradients it names the modules where they meet), then the table's key
+(`TABLE_KEY`, which the demo prints once for all its tables).
+`format_table` lays out any rows in left-aligned columns.
 """
 from __future__ import annotations
 
@@ -13,22 +14,26 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from erase_fx.report import BlockReport, GraphReport
+from erase_fx.report import BlockReport, GraphReport, RejectedReport
 
 #: How many parameter names a table row shows before "...".
 PARAM_NAMES_SHOWN = 2
 
 
-def format_report(report: GraphReport) -> str:
-    """A readable table of one graph's early blocks and rejected components."""
-    lines = [_heading(report)]
+def format_report(report: GraphReport, *, number: int | None = None, key: bool = True) -> str:
+    """A readable table of one graph's early blocks and rejected components.
+
+    ``number``: the graph's number in the heading (default: its ``graph_id``,
+    which counts graphs across the process); ``key``: end with `TABLE_KEY`.
+    """
+    lines = [_heading(report, report.graph_id if number is None else number)]
     if report.fallback_reason:
         lines.append(f"  stock path: {report.fallback_reason}")
     if report.blocks:
         rows = [
             (b.id, b.stream, _count_params(b),
              first_names(b.params),
-             b.ready_after + (f" ({b.pieces} pieces)" if b.pieces else ""), b.num_nodes,
+             ready_point(b) + (f" ({b.pieces} pieces)" if b.pieces else ""), b.num_nodes,
              _si(b.flops), _share(b.flops, report.backward_flops))
             for b in report.blocks
         ]
@@ -47,21 +52,35 @@ def format_report(report: GraphReport) -> str:
         lines.append(table[0])
         for row, rejected in zip(table[1:], report.rejected):
             lines.append(row)
-            lines += _wrapped(rejected.detail + (f" (node {rejected.node})" if rejected.node
-                                                 else ""), indent="      ")
-    if report.blocks or report.rejected:
+            lines += _wrapped(rejected.detail + _at_node(rejected), indent="      ")
+    if key and (report.blocks or report.rejected):
         lines.append(TABLE_KEY)
     return "\n".join(lines)
 
 
+def ready_point(block: BlockReport) -> str:
+    """The "ready after" cell: where in the model, else the joint graph node's name."""
+    return block.ready_after_origin or block.ready_after
+
+
+def _at_node(rejected: RejectedReport) -> str:
+    if rejected.node is None:
+        return ""
+    if rejected.node_origin is None:
+        return f" (node {rejected.node})"
+    return f" (at {rejected.node_origin}, node {rejected.node})"
+
+
 #: What the table's columns mean, printed under each graph's table.
-TABLE_KEY = (
-    "  (#params: parameter tensors whose gradients the component computes, +N parts: values it "
-    "adds to\n   gradients that other loss terms share, summed by a joins_blocks row; ready "
-    "after: the forward node\n   after which an early block's backward can start (N pieces: "
-    "it starts there and\n   runs in N pieces, each when ready); stream: the "
-    "side stream it runs on;\n   bwd FLOPs: estimated FLOPs of its backward; share of bwd: of "
-    "the whole backward's FLOPs)"
+TABLE_KEY = textwrap.fill(
+    "#params: parameter tensors whose gradients the component computes, +N parts: values it "
+    "adds to gradients that other loss terms share, summed by a joins_blocks row; ready after: "
+    "the module and op after which an early block's backward can start (for code outside "
+    "modules, the nearest module upstream; the graph node's name is ready_after in --json; "
+    "N pieces: it starts there and runs in N pieces, each when ready); stream: the side "
+    "stream it runs on; bwd FLOPs: estimated FLOPs of its backward; share of bwd: of the "
+    "whole backward's FLOPs)",
+    width=100, initial_indent="  (", subsequent_indent="   ", break_on_hyphens=False,
 )
 
 
@@ -86,9 +105,9 @@ def _share(flops: int, total: int) -> str:
     return f"{flops / total:.0%}" if total else "-"
 
 
-def _heading(report: GraphReport) -> str:
+def _heading(report: GraphReport, number: int) -> str:
     return (
-        f"graph {report.graph_id}: {_count(len(report.blocks), 'early block')}, "
+        f"graph {number}: {_count(len(report.blocks), 'early block')}, "
         f"{_count(len(report.rejected), 'component')} left in the backward\n  "
         f"{report.early_share:.0%} of the backward FLOPs run early "
         f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "

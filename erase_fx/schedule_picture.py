@@ -5,7 +5,9 @@ early-backward nodes, each with its `NodeMeta`. `schedule_dot` draws it as a
 Graphviz DOT graph (with ``pydot``, the ``viz`` extra):
 
 - fill colour = stream: the main stream (0) light blue, each side stream its
-  own colour (`stream_colour`); graph inputs white;
+  own colour (`stream_colour`); graph inputs white, a parameter labelled by
+  its qualified name when ``param_names`` gives it (``stages.0.head.weight``,
+  not ``primals_9``; the dump passes them);
 - shape = role: forward nodes are ellipses, early-backward nodes boxes;
   main-stream nodes that run after the join have a double border;
 - one cluster per early block, labelled ``block <b> (stream <s>)``: its head,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Mapping
 
 import pydot
 import torch.fx as fx
@@ -71,8 +74,14 @@ def op_label(node: fx.Node) -> str:
     return name.removesuffix(".default")
 
 
-def schedule_dot(gm: fx.GraphModule) -> pydot.Dot:
-    """The forward module after ``assign_streams`` as a DOT graph; see the module docstring."""
+def schedule_dot(gm: fx.GraphModule, param_names: Mapping[str, str] | None = None) -> pydot.Dot:
+    """The forward module after ``assign_streams`` as a DOT graph; see the module docstring.
+
+    ``param_names`` maps an input node's name to the label it gets, a
+    parameter's qualified name (``{"primals_1": "stages.0.body.0.weight"}``);
+    other inputs are labelled with their node name. Node ids stay node names.
+    """
+    labels = dict(param_names or {})
     dot = pydot.Dot("schedule", graph_type="digraph", rankdir="TB", fontname="Helvetica",
                     label="erase_fx schedule: forward after assign_streams", labelloc="t")
     dot.set_node_defaults(fontname="Helvetica", fontsize="10", style="filled")
@@ -88,7 +97,7 @@ def schedule_dot(gm: fx.GraphModule) -> pydot.Dot:
 
     for node in nodes:
         if node not in in_block:
-            dot.add_node(_dot_node(node))
+            dot.add_node(_dot_node(node, labels))
     # NB: deterministic order please: clusters by block id, members in graph order.
     for block in sorted(blocks):
         members = blocks[block]
@@ -99,7 +108,7 @@ def schedule_dot(gm: fx.GraphModule) -> pydot.Dot:
             style="rounded", color=stream_colour(streams[-1]), penwidth="2",
         )
         for node in members:
-            cluster.add_node(_dot_node(node))
+            cluster.add_node(_dot_node(node, labels))
         dot.add_subgraph(cluster)
 
     for node in nodes:
@@ -119,10 +128,13 @@ def schedule_dot(gm: fx.GraphModule) -> pydot.Dot:
     return dot
 
 
-def _dot_node(node: fx.Node) -> pydot.Node:
+def _dot_node(node: fx.Node, labels: Mapping[str, str]) -> pydot.Node:
     meta = get_meta(node)
     if is_input(node):
-        return pydot.Node(node.name, label=node.name, shape=INPUT_SHAPE, fillcolor=INPUT_COLOUR)
+        label = labels.get(node.name)
+        extra = {"tooltip": node.name} if label is not None else {}
+        return pydot.Node(node.name, label=label or node.name, shape=INPUT_SHAPE,
+                          fillcolor=INPUT_COLOUR, **extra)
     early = meta is not None and meta.role is Role.EARLY_BACKWARD
     attrs = {
         "label": f"{node.name}\n{op_label(node)}",

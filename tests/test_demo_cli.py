@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from erase_fx import cli, demo
+from erase_fx.report_text import TABLE_KEY
 
 FF_STAGES = demo.FFSizes().stages
 
@@ -21,7 +22,81 @@ def test_demo_trains_and_matches_eager(model, capsys):
     assert "3 early blocks" in out
     assert "left in the backward" in out
     assert "step-1 gradients, erase vs eager: max abs diff" in out
-    assert "all first-step gradients equal the reference's" in out
+    assert "(tolerance 1e-05): PASS" in out
+    assert (f"final parameters (after 20 steps), erase vs eager: max abs diff 0, max rel diff 0 "
+            f"(tolerance {demo.PARAM_RTOL:g}): PASS") in out
+    assert "PASS: all first-step gradients equal the reference's" in out
+    assert "PASS: all final parameters equal eager's" in out
+
+
+def test_demo_prints_the_table_key_once_and_numbers_graphs_per_model(capsys):
+    code = demo.main(["--steps", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count(TABLE_KEY) == 1
+    assert out.index(TABLE_KEY) < out.index("== ctr:")  # under the first model's table
+    headings = [line.split(":")[0] for line in out.splitlines() if line.startswith("graph ")]
+    assert headings == ["graph 0", "graph 0"]  # one per model, each model's first
+
+
+def test_demo_words_say_what_it_prints(capsys):
+    demo.main(["--model", "ff", "--steps", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "schedule" not in out  # it prints a table of blocks, not the schedule
+    assert "the demo lists the early blocks found and checks exactness" in out
+
+
+def test_the_loss_curve_is_a_running_mean_and_its_header_says_so(monkeypatch):
+    rows = []
+    monkeypatch.setattr(demo, "curve_row", lambda step, eager, erase: rows.append(
+        (step, eager, erase)) or "row")
+    lines = []
+    workload = demo.ff_workload(torch.device("cpu"), seed=0)
+    result = demo.run_workload(workload, 20, "aot_eager", torch.device("cpu"), 0, lines.append)
+    assert "training loss, running mean over the last 2 steps" in "\n".join(lines)
+    losses = result.eager.losses
+    assert rows == [(step, pytest.approx((losses[step - 2] + losses[step - 1]) / 2),
+                     pytest.approx((result.erase.losses[step - 2] + result.erase.losses[step - 1])
+                                   / 2))
+                    for step in range(2, 21, 2)]
+
+
+def test_curve_window_and_running_mean():
+    assert demo.curve_window(200) == 200 // demo.CURVE_ROWS
+    assert demo.curve_window(3) == 1
+    assert demo.running_mean([1.0, 2.0, 3.0, 5.0], 2) == 4.0
+    assert demo.running_mean([2.0], 4) == 2.0  # fewer losses than the window
+    assert demo.curve_header(20)[0].startswith("training loss, running mean over the last 20 "
+                                               "steps")
+
+
+def test_a_final_parameter_difference_fails_the_demo(monkeypatch, capsys):
+    def off_by_one(eager, erase, tolerance):
+        return demo.Difference(1.0, 1.0, "stages.0.head.weight", tolerance)
+
+    monkeypatch.setattr(demo, "compare_parameters", off_by_one)
+    code = demo.main(["--model", "ff", "--steps", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert (f"final parameters (after 2 steps), erase vs eager: max abs diff 1, max rel diff 1 "
+            f"(tolerance {demo.PARAM_RTOL:g}): FAIL (worst: stages.0.head.weight)") in out
+    assert "FAIL: the final parameters of ff differ from eager's" in out
+    assert "PASS: all first-step gradients equal the reference's" in out
+
+
+def test_final_parameters_are_compared_and_not_judged_with_inductor():
+    eager, erase = demo.ff_factory()[0], demo.ff_factory()[0]
+    assert demo.compare_parameters(eager, erase).max_rel == 0.0
+    with torch.no_grad():
+        erase.stages[2].head.bias[0] += 1.0
+    diff = demo.compare_parameters(eager, erase)
+    assert not diff.ok and diff.verdict == "FAIL" and diff.worst_param == "stages.2.head.bias"
+    assert demo.final_parameter_tolerance("aot_eager") == demo.PARAM_RTOL
+    assert demo.final_parameter_tolerance("inductor") is None
+    not_judged = demo.compare_parameters(eager, erase, tolerance=None)
+    assert not_judged.ok and not_judged.verdict == "not judged"
+    line = demo.describe_difference("final parameters", not_judged, "eager")
+    assert line.endswith(f": not judged ({demo.NOT_JUDGED_WHY})")
 
 
 def test_demo_quiet_prints_only_the_summary(capsys):
@@ -37,6 +112,19 @@ def test_cli_demo_forwards_its_flags(capsys):
         cli.main(["demo", "--help"])
     assert exit_info.value.code == 0
     assert "--steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["demo", "explain", "profile"])
+def test_each_subcommands_usage_names_the_erase_fx_command(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: erase-fx {command} ")
+
+
+def test_the_demo_run_as_a_module_names_itself_so(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m erase_fx.demo ")
 
 
 def test_explain_ff_finds_one_early_block_per_stage_but_the_last(capsys):
@@ -153,7 +241,7 @@ def test_compare_gradients_flags_a_difference_and_a_missing_gradient():
         for param in module.parameters():
             param.grad = torch.ones_like(param)
     same = demo.compare_gradients(eager, erase)
-    assert same.ok and same.max_abs == same.max_rel == 0.0
+    assert same.ok and same.max_abs == same.max_rel == 0.0 and same.verdict == "PASS"
     erase.stages[1].head.weight.grad[0, 0] += 1e-3
     diff = demo.compare_gradients(eager, erase)
     assert not diff.ok and diff.worst_param == "stages.1.head.weight"

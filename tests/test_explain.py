@@ -86,3 +86,74 @@ def test_explain_of_a_forward_dynamo_does_not_compile_raises(capsys):
     assert err == ["erase-fx explain: [erase_fx: explain] torch.compile produced no graph for "
                    "this model: Dynamo ran its forward eagerly. Fix: see why with "
                    "TORCH_LOGS=graph_breaks,recompiles"]
+
+
+# -- where in the model: the ready points as people read them ------------------
+
+
+def test_the_report_of_an_analysis_with_its_joint_graph_says_where_each_ready_point_is():
+    from erase_fx.config import EraseConfig
+    from graphs import Stages
+
+    cfg = EraseConfig(inner="aot_eager")
+    stages = Stages(Chain(3), chain_inputs(), cfg)
+    report = GraphReport.from_analysis(0, stages.analysis, cfg, joint=stages.joint.gm)
+    # F.cross_entropy runs in Chain.forward, outside modules: the nearest module upstream
+    assert [b.ready_after_origin for b in report.blocks] == [
+        "heads.0 (cross_entropy)", "heads.1 (cross_entropy)"]
+    assert [b.ready_after for b in report.blocks] == [
+        b.component.ready_after for b in stages.analysis.blocks]  # still the node's name
+    (last,) = report.rejected
+    assert last.node_origin == "heads.2 (cross_entropy)" and last.node
+    without = GraphReport.from_analysis(0, stages.analysis, cfg)
+    assert [b.ready_after_origin for b in without.blocks] == [None, None]
+    assert GraphReport.from_dict(json.loads(report.to_json())) == report
+
+
+def origin_graph():
+    """x -> linear (in heads.0, a Linear) -> neg (outside modules) -> sum; y alone -> relu."""
+    from erase_fx.report import node_origin
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    linear = graph.call_function(aten.mm.default, (x, x))
+    linear.meta["nn_module_stack"] = {"k": ("L['self'].heads[0]", torch.nn.Linear)}
+    linear.meta["source_fn_stack"] = [("linear", torch.nn.Linear)]
+    neg = graph.call_function(aten.neg.default, (linear,))
+    total = graph.call_function(aten.sum.default, (neg,))
+    total.meta["source_fn_stack"] = [("sum_1", "sum")]
+    backward = graph.call_function(aten.mul.Tensor, (y, y))
+    backward.meta["fwd_nn_module_stack"] = {"k": ("L['self'].towers._modules['1']", object)}
+    relu = graph.call_function(aten.relu.default, (y,))
+    return node_origin, linear, neg, total, backward, relu
+
+
+def test_node_origin_names_the_module_then_the_op():
+    node_origin, linear, neg, total, backward, relu = origin_graph()
+    assert node_origin(linear) == "heads.0 (Linear)"
+    assert node_origin(neg) == "heads.0 (neg)"  # outside modules: the nearest one upstream
+    assert node_origin(total) == "heads.0 (sum)"
+    assert node_origin(backward) == "towers.1 (mul)"  # a backward node: its forward's module
+    assert node_origin(relu) == "relu"  # no module anywhere upstream: the op alone
+
+
+def test_the_table_shows_where_and_numbers_the_graph_as_asked():
+    import dataclasses
+
+    from erase_fx.report_text import TABLE_KEY, format_report
+
+    (report,) = erase_fx.explain(Chain(2), *chain_inputs())
+    block = dataclasses.replace(report.blocks[0], ready_after_origin="heads.0 (cross_entropy)")
+    rejected = dataclasses.replace(report.rejected[0], node_origin="heads.1 (cross_entropy)")
+    shown = dataclasses.replace(report, graph_id=7, blocks=(block,), rejected=(rejected,))
+    text = format_report(shown)
+    assert text.startswith("graph 7: ")
+    (row,) = [line for line in text.splitlines() if line.startswith("  0  ")]
+    assert "heads.0 (cross_entropy)" in row and block.ready_after not in row
+    assert f"(at heads.1 (cross_entropy), node {rejected.node})" in " ".join(text.split())
+    assert text.endswith(TABLE_KEY)
+    other = format_report(shown, number=0, key=False)
+    assert other.startswith("graph 0: ") and TABLE_KEY not in other
+    plain = format_report(report)  # a report made without the joint graph: node names
+    assert report.blocks[0].ready_after in plain

@@ -78,3 +78,25 @@ def test_erase_variants_options(monkeypatch):
     assert all(o["streams"] == 2 and o["on_error"] == "fallback" for o in options)
     # the one-stream control is the backend's overlap=False: nothing is patched
     assert [o.get("overlap", True) for o in options] == [True, True, True, False]
+
+
+def test_the_training_helpers_are_one_copy_shared_with_the_installed_demo():
+    from erase_fx import _training, demo
+
+    for name in ("build_seeded", "mlp", "normalized_entropy", "binary_entropy"):
+        assert getattr(common, name) is getattr(_training, name)
+    assert demo.build_seeded is _training.build_seeded and demo.mlp is _training.mlp
+    assert not hasattr(demo, "_mlp")
+
+
+def test_normalized_entropy_is_one_for_the_base_rate_and_build_seeded_is_reproducible():
+    import torch
+
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    base_rate = torch.full((4,), 0.25).logit()
+    assert common.normalized_entropy(base_rate, labels) == pytest.approx(1.0)
+    first = common.build_seeded(lambda: common.mlp(3, 4, 2), seed=5)
+    second = common.build_seeded(lambda: common.mlp(3, 4, 2), seed=5)
+    assert [type(m).__name__ for m in first] == ["Linear", "ReLU", "Linear", "ReLU"]
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)

@@ -1,5 +1,8 @@
 """``erase-fx profile`` on CPU, and the driver's per-segment profiler labels."""
+import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +10,8 @@ import torch
 import erase_fx.profile
 from erase_fx import cli
 from erase_fx.emit.program import PROFILE_LABEL_PREFIX
-from erase_fx.profile import KernelInterval, ProfileRun, kernel_overlap
+from erase_fx.config import EraseConfig
+from erase_fx.profile import DEFAULT_TRACE_PATH, KernelInterval, ProfileRun, kernel_overlap
 from graphs import Chain, chain_inputs
 
 FAST = '{"inner": "aot_eager"}'
@@ -20,7 +24,11 @@ def test_profile_on_cpu_writes_the_trace_and_says_overlap_needs_a_gpu(tmp_path, 
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "profiled 2 training step(s) of erase_fx.demo:ff_factory on cpu" in printed
-    assert 'erase options {"inner": "aot_eager"}' in printed  # the backend's own defaults
+    # every setting in force: EraseConfig's fields, --options applied to its defaults
+    settings = settings_printed(printed)
+    assert settings == dataclasses.asdict(EraseConfig(inner="aot_eager"))
+    assert list(settings) == [f.name for f in dataclasses.fields(EraseConfig)]
+    assert "(from --options: inner)" in printed
     assert "hides the per-segment labels" not in printed  # no CUDA graphs on CPU
     assert f"trace: {out}" in printed
     assert "overlap: needs a GPU" in printed
@@ -31,13 +39,38 @@ def test_profile_on_cpu_writes_the_trace_and_says_overlap_needs_a_gpu(tmp_path, 
     assert f"({len(labels)})" in printed
 
 
+def settings_printed(printed):
+    """The JSON object of the ``erase settings: {...} (from --options: ...)`` line."""
+    line = next(line for line in printed.splitlines() if line.startswith("erase settings: "))
+    return json.loads(line.removeprefix("erase settings: ").rpartition(" (from --options")[0])
+
+
 def test_profile_keeps_cudagraphs_when_the_options_set_it(tmp_path, capsys):
     code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "1", "--warmup", "1",
                      "--out", str(tmp_path / "t.json"), "--device", "cpu",
                      "--options", '{"inner": "aot_eager", "cudagraphs": true}'])
     printed = capsys.readouterr().out
     assert code == 0
-    assert '"cudagraphs": true' in printed
+    assert settings_printed(printed)["cudagraphs"] is True
+    assert "(from --options: inner, cudagraphs)" in printed
+
+
+def test_profile_writes_its_trace_under_erase_fxs_own_folder_by_default(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "1", "--warmup", "0",
+                     "--options", FAST, "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert DEFAULT_TRACE_PATH == os.path.join("erase_fx_traces", "trace.json")
+    assert (tmp_path / "erase_fx_traces" / "trace.json").is_file()
+    assert f"trace: {DEFAULT_TRACE_PATH}" in printed
+    assert os.listdir(tmp_path) == ["erase_fx_traces"]  # nothing else in the working folder
+
+
+def test_git_ignores_the_folders_erase_fx_writes_into():
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert {"erase_fx_traces/", "erase_fx_dump/"} <= set(ignored)
 
 
 @pytest.mark.parametrize(
@@ -52,11 +85,13 @@ def test_profile_keeps_cudagraphs_when_the_options_set_it(tmp_path, capsys):
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
     ],
 )
-def test_profile_usage_errors_exit_2(argv, message, capsys):
+def test_profile_usage_errors_exit_2(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     code = cli.main(["profile", *argv])
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.startswith("erase-fx profile: error:")
+    assert list(tmp_path.iterdir()) == []  # no trace folder for a command that failed
 
 
 def test_profile_a_model_without_a_scalar_loss_exits_2(tmp_path, monkeypatch, capsys):
@@ -82,11 +117,14 @@ def test_profile_on_a_gpu_prints_the_measured_overlap(tmp_path, monkeypatch, cap
                           ("erase_fx/seg_0_stream_0",), kernel_overlap(kernels))
 
     monkeypatch.setattr(erase_fx.profile, "profile_training", fake_profile_training)
+    monkeypatch.delenv("ERASE_FX_DUMP", raising=False)
     code = cli.main(["profile", "erase_fx.demo:ff_factory", "--steps", "3",
                      "--out", str(tmp_path / "t.json")])
     printed = capsys.readouterr().out
     assert code == 0
     assert "on cuda:0" in printed
+    assert settings_printed(printed) == dataclasses.asdict(EraseConfig())  # the defaults
+    assert "(from --options: none)" in printed
     assert "CUDA graph replay hides the per-segment labels" in printed
     assert ("overlap: side-stream kernel time 100.0 us (streams 13), overlapped with main-stream "
             "(stream 7) kernels 50.0 us: overlap fraction 50.0%") in printed

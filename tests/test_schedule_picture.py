@@ -111,6 +111,14 @@ def test_the_dot_text_is_deterministic_and_parses():
     assert parsed.get_name() == "schedule"
 
 
+def test_inputs_are_labelled_with_the_names_given_and_keep_their_node_ids():
+    nodes = dot_nodes(schedule_dot(tiny_schedule(), {"x": "stages.0.0.weight"}))
+    assert attr(nodes["x"], "label") == "stages.0.0.weight"
+    assert attr(nodes["x"], "tooltip") == "x"
+    assert attr(nodes["relu"], "label") == "relu\nrelu"  # other nodes as before
+    assert attr(dot_nodes(schedule_dot(tiny_schedule()))["x"], "label") == "x"
+
+
 @pytest.fixture(scope="module")
 def chain_stages():
     return Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
@@ -192,6 +200,19 @@ def test_without_pydot_the_dump_skips_the_picture_with_one_info_line(
     assert (tmp_path / "graph_0" / "00_assign_streams.py").exists()
     lines = [r.getMessage() for r in caplog.records if "pydot" in r.getMessage()]
     assert len(lines) == 1 and "pip install erase-fx[viz]" in lines[0]
+
+
+def test_the_dumps_picture_labels_parameters_with_their_names(tmp_path):
+    torch.compile(Chain(2), backend="erase",
+                  options={"inner": "aot_eager", "dump_dir": str(tmp_path)})(*chain_inputs())
+    (graph,) = tmp_path.iterdir()
+    (parsed,) = pydot.graph_from_dot_data((graph / "schedule.dot").read_text())
+    labels = {attr(node, "label") for sub in [parsed] + parsed.get_subgraph_list()
+              for node in sub.get_node_list() if attr(node, "shape") == "invhouse"}
+    params = {name for name, _ in Chain(2).named_parameters()}
+    assert params <= labels
+    # what is left of the inputs, the batch and the labels, are not parameters
+    assert len([label for label in labels if label.startswith("primals_")]) == 2
 
 
 def test_no_picture_for_other_passes(chain_stages, tmp_path):

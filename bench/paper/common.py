@@ -1,10 +1,11 @@
 """Helpers shared by the paper reproductions (``bench/paper/*.py``).
 
-- seeding (`seed_everything`, `build_seeded`);
+- seeding (`seed_everything`; `build_seeded`, from `erase_fx._training`);
 - per-step timing (`StepTimer`: CUDA events on a GPU, ``perf_counter`` on
   the CPU) and throughput statistics (`throughput_stats`: median, p90, p10
   of per-step QPS);
-- normalized entropy (`normalized_entropy`);
+- normalized entropy (`normalized_entropy`, `binary_entropy`) and `mlp`, from
+  `erase_fx._training`, the one copy the installed demo uses too;
 - the variants the experiments compare (`compile_variant`,
   `capture_erase_warnings`, `compile_summary`, `compiled_notes`,
   `variant_failed`, `print_compiled`) and the command-line flags they share
@@ -15,8 +16,8 @@
   ``REPORT.md``. The contract is documented in ``bench/paper/README.md`` and
   checked here.
 
-erase_fx is not imported here, so `bench.paper.report` renders results
-without loading it.
+Of erase_fx only `erase_fx._training` is imported here (which loads the
+package); the variants compile with ``backend="erase"`` by name.
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# NB: the one copy of these, shared with the installed demo; re-exported for bench/paper.
+from erase_fx._training import (  # noqa: F401
+    binary_entropy,
+    build_seeded,
+    mlp,
+    normalized_entropy,
+)
 
 #: The repository root (``bench/paper/common.py`` -> three levels up).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,17 +77,6 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, torch's (CPU and every GPU) random number generators."""
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def build_seeded(build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
-    """``build()`` with its weights drawn from ``seed``; torch's global RNG is left as it was.
-
-    The variants of one seed start from deep copies of this one module, so
-    they share their initial weights exactly.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
 
 
 # -- timing ----------------------------------------------------------------------
@@ -285,29 +283,6 @@ def add_erase_arguments(parser: argparse.ArgumentParser, results_help: str | Non
                              "and goes on")
     parser.add_argument("--out-dir", "--results-dir", dest="out_dir", type=Path,
                         default=DEFAULT_RESULTS_DIR, help=results_help)
-
-
-# -- metrics -------------------------------------------------------------------
-
-
-def binary_entropy(rate: float) -> float:
-    """``H(p) = -(p log p + (1-p) log(1-p))`` in nats (0 at p = 0 or 1)."""
-    if rate <= 0.0 or rate >= 1.0:
-        return 0.0
-    return -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
-
-
-def normalized_entropy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """NE: mean BCE of the predicted click logits over the entropy of the labels' base rate.
-
-    ``NE = mean BCE / H(p)`` with ``p`` the click rate of ``labels``: 1.0 is
-    what always predicting the base rate scores; lower is better. Computed in
-    float64 so that two runs' NE are equal exactly when their logits are.
-    """
-    logits = logits.detach().double().flatten()
-    labels = labels.detach().double().flatten()
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
-    return bce / binary_entropy(labels.mean().item())
 
 
 # -- results ---------------------------------------------------------------------
