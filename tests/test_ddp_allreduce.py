@@ -169,7 +169,8 @@ def _run_scenario(rank: int, name: str, settings: dict[str, Any]) -> dict[str, A
         return real_all_reduce(tensor, *args, **kwargs)
 
     record: dict[str, Any] = {"expected_blocks": expected_blocks, "grad_diff": 0.0,
-                              "param_diff": 0.0, "reduced_per_step": [], "early_in_no_sync": 0}
+                              "param_diff": 0.0, "reduced_per_step": [], "early_in_no_sync": 0,
+                              "reduced_in_forward": []}
     numel = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
     dist.all_reduce = counting_all_reduce
     try:
@@ -185,7 +186,10 @@ def _run_scenario(rank: int, name: str, settings: dict[str, Any]) -> dict[str, A
                     for m, run in ((eager, eager), (ddp, compiled)):
                         context = m.no_sync() if not last else _nothing()
                         with context:
-                            (scale * run(*inputs)).backward()
+                            loss = run(*inputs)
+                            if m is ddp and last:  # reduced so far: during the forward
+                                record["reduced_in_forward"].append(sum(counted))
+                            (scale * loss).backward()
                     if not last:
                         state = erase_ddp.state_of(ddp)
                         record["early_in_no_sync"] += (state.stats["early_collectives"]
@@ -316,6 +320,13 @@ def test_each_gradient_is_all_reduced_once_per_step(records, name):
         assert record["reduced_per_step"] == [record["numel"]] * len(record["reduced_per_step"])
         assert record["stats"]["early_grads"] > 0
         assert record["stats"]["early_collectives"] > 0
+
+
+def test_early_gradients_are_all_reduced_before_the_forward_returns(records):
+    for record in _each_rank(records, "default"):
+        assert record["reduced_in_forward"] and all(n > 0 for n in record["reduced_in_forward"])
+        assert all(n < total for n, total in zip(record["reduced_in_forward"],
+                                                 record["reduced_per_step"]))
 
 
 def test_ddp_skips_what_was_reduced_early(records):
