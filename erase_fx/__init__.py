@@ -16,11 +16,14 @@ from erase_fx.errors import (
     StepCaptureError,
     UnsupportedBlockError,
 )
+from erase_fx import progress
 from erase_fx.explain import explain
 from erase_fx.report import BlockReport, GraphReport, RejectedReport, collect_reports
 from erase_fx.step import CompiledStep, compile_step
 
 __version__ = "0.1.0"
+
+progress.install_default_handler()
 
 __all__ = [
     "BlockReport",

@@ -56,6 +56,7 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
+from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, revise
 
 log = logging.getLogger("erase_fx")
@@ -124,20 +125,36 @@ class GraphCompilation:
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                         **inductor_kwargs: Any) -> Any:
         self._note_forward_metadata()
+        blocks = len(self.report.blocks)
         if not any(is_early(n) for n in fw.graph.nodes):
-            compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
+            with compiling(self.graph_id, "forward", f"no early block; with {self.cfg.inner}: "):
+                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         else:
             if self.cfg.inner == "inductor":
                 keep_early_values_at_fx_strides(fw)
-            try:
-                compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
-            except Exception as error:  # noqa: BLE001 - the documented fallback
-                self._fall_back("compile_forward", error, keep_schedule=True)
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
+            with compiling(self.graph_id, "forward",
+                           f"{blocks} early block{'s' if blocks != 1 else ''}; with "
+                           f"{self.cfg.inner}, in segments: "):
+                try:
+                    compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
+                except Exception as error:  # noqa: BLE001 - the documented fallback
+                    self._fall_back("compile_forward", error, keep_schedule=True)
+                    compiled = compile_graph(fw, example_inputs, self.cfg.inner,
+                                             **inductor_kwargs)
         return self._maybe_graph_forward(compiled, example_inputs)
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                          **inductor_kwargs: Any) -> Any:
+        with compiling(self.graph_id, "backward"):
+            compiled = self._compile_backward(bw, example_inputs, inductor_kwargs)
+        if self.graphed_forward is None:
+            return compiled
+        num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
+        return graph_backward(self.graphed_forward, compiled, num_saved,
+                              name=f"graph {self.graph_id} backward")
+
+    def _compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
+                          inductor_kwargs: dict[str, Any]) -> Any:
         if self.dump is not None:
             self.runner.record("bwd", bw)
         compiled = None
@@ -150,11 +167,7 @@ class GraphCompilation:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if self.early_allreduce is not None:
             compiled = self.early_allreduce.wrap_backward(compiled)
-        if self.graphed_forward is None:
-            return compiled
-        num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
-        return graph_backward(self.graphed_forward, compiled, num_saved,
-                              name=f"graph {self.graph_id} backward")
+        return compiled
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
