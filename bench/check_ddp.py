@@ -56,7 +56,7 @@ from erase_fx.profile import (intersection_length, kernels_from_profiler, merge_
                               total_length)
 
 #: name -> how to compile a DDP module (None: eager DDP)
-TIMED = ("eager", "reduce-overhead", "inductor", "erase", "erase-early-off")
+TIMED = ("eager", "reduce-overhead", "inductor", "erase", "erase/late-allreduce")
 COMM_MARKERS = ("nccl",)
 
 
@@ -83,7 +83,7 @@ def compile_variant(name: str, ddp: nn.Module, options: dict[str, Any] | None = 
         return torch.compile(ddp, mode="reduce-overhead")
     if name == "erase":
         return compile_erase(ddp, {"on_error": "raise", **(options or {})})
-    if name == "erase-early-off":
+    if name == "erase/late-allreduce":
         return compile_erase(ddp, {"on_error": "raise", "early_allreduce": False,
                                    **(options or {})})
     raise ValueError(name)
@@ -134,9 +134,9 @@ def check_correctness(cfg: ChainConfig, base: nn.Module, device: torch.device, r
     runs: dict[str, nn.Module] = {}
     found: dict[str, Any] = {}
     for name, variant, options in (("eager", "eager", None),
-                                   ("erase-aot_eager", "erase", {"inner": "aot_eager"}),
+                                   ("erase/aot_eager", "erase", {"inner": "aot_eager"}),
                                    ("inductor", "inductor", None),
-                                   ("erase-inductor", "erase", {"inner": "inductor"})):
+                                   ("erase/inductor", "erase", {"inner": "inductor"})):
         torch._dynamo.reset()
         ddp = fresh_ddp(base, device, args.bucket_cap_mb)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
@@ -153,8 +153,8 @@ def check_correctness(cfg: ChainConfig, base: nn.Module, device: torch.device, r
               for name, ddp in runs.items() if name != "eager"}
     stock = result["inductor"]["max_param_diff"]
     result["verdict"] = {
-        "aot_eager_exact": result["erase-aot_eager"]["max_param_diff"] == 0.0,
-        "inductor_within_stock": result["erase-inductor"]["max_param_diff"]
+        "aot_eager_exact": result["erase/aot_eager"]["max_param_diff"] == 0.0,
+        "inductor_within_stock": result["erase/inductor"]["max_param_diff"]
         <= max(2.0 * stock, 1e-6),
     }
     return result
@@ -229,7 +229,7 @@ def print_report(report: dict[str, Any]) -> None:
     if correctness:
         print(f"\nparameters after {report['steps']} SGD steps, max |diff| from eager DDP "
               "(tf32 off)")
-        for name in ("erase-aot_eager", "inductor", "erase-inductor"):
+        for name in ("erase/aot_eager", "inductor", "erase/inductor"):
             row = correctness[name]
             stats = row["stats"] or {}
             print(f"  {name:<16} {row['max_param_diff']:.3e}   graphs {row['graphs']}, "

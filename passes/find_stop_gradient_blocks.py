@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import networkx as nx
 import torch
@@ -211,101 +212,147 @@ def find_stop_gradient_blocks(
             used in the report; ``primals_<i>`` where missing.
     """
     del cfg
-    graph = gm.graph
-    nodes = list(graph.nodes)
-    position = topo_positions(graph)
-    dataflow = nx.DiGraph()
-    dataflow.add_nodes_from(nodes)
-    dataflow.add_edges_from((arg, node) for node in nodes for arg in node.all_input_nodes)
-
-    outputs = output_values(graph)
-    tangents = [n for n in nodes if is_tangent(n) and n.users]
-    backward: set[fx.Node] = set(tangents)
-    for tangent in tangents:
-        backward |= nx.descendants(dataflow, tangent)
-    backward = {n for n in backward if n.op != "output"}
-
-    seeds: set[fx.Node] = set()
-    for node in nodes:
-        if node in backward and node.op == "call_function" and all(
-            a in seeds or is_tangent(a) for a in node.all_input_nodes
-        ):
-            seeds.add(node)
-
-    forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
-    required_forward = _ancestors_of(dataflow, forward_outputs) | set(forward_outputs)
-    required_forward |= {n for n in nodes if n.op == "placeholder" and not is_tangent(n)}
-
-    core = [n for n in nodes if n in backward and n not in seeds and not is_tangent(n)]
-    grad_index = {
-        out: i for i, out in enumerate(outputs[num_fwd_outputs:]) if isinstance(out, fx.Node)
-    }
-    primal_label = _primal_labels(graph, primal_names)
-    # Tangent-free nodes that no forward output needs: the helpers autograd
-    # leaves in the backward region.
-    helper_pool = dataflow.subgraph(
-        n for n in nodes if n not in backward and n not in required_forward
+    facts = Dataflow.of(gm.graph, num_fwd_outputs, primal_names)
+    components = sorted((facts.describe(members) for members in facts.backward_pieces()),
+                        key=facts.order)
+    latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
+    early, rejected = _judge_components(components, facts, latest)
+    early.sort(key=facts.order)
+    blocks = [Block(i, comp, comp.tangents[0], facts.params_of(comp))
+              for i, comp in enumerate(early)]
+    analysis = BlockAnalysis(
+        blocks=tuple(blocks),
+        rejected=tuple(rejected),
+        backward_flops=sum(node_flops(n) for n in facts.backward),
+        num_fwd_outputs=num_fwd_outputs,
     )
+    check_block_analysis(gm, analysis)
+    return analysis
 
-    components = []
-    undirected = dataflow.subgraph(core).to_undirected(as_view=True)
-    for members in nx.connected_components(undirected):
-        components.append(
-            _describe(members, seeds, helper_pool, required_forward, grad_index, position)
+
+@dataclasses.dataclass(frozen=True)
+class Dataflow:
+    """The dataflow facts of a joint graph, computed once; every judgement reads them.
+
+    Attributes:
+        graph: the joint graph.
+        edges: its dataflow (an edge from each input to its user).
+        position: each node's index in graph order.
+        by_name: each node by name.
+        backward: the nodes that transitively read a tangent (the output excluded).
+        seeds: backward nodes that read only tangents and seeds (``expand(T)``).
+        required_forward: what the forward outputs need, and the primals.
+        grad_index: each gradient output's node -> the primal it is the gradient of.
+        primal_label: a name per primal, for reports.
+        helper_pool: tangent-free nodes no forward output needs (the helpers
+            autograd leaves in the backward region, such as ``t(t_2)``).
+    """
+
+    graph: fx.Graph
+    edges: nx.DiGraph
+    position: Mapping[fx.Node, int]
+    by_name: Mapping[str, fx.Node]
+    backward: AbstractSet[fx.Node]
+    seeds: AbstractSet[fx.Node]
+    required_forward: AbstractSet[fx.Node]
+    grad_index: Mapping[fx.Node, int]
+    primal_label: Sequence[str]
+    helper_pool: nx.DiGraph
+
+    @classmethod
+    def of(cls, graph: fx.Graph, num_fwd_outputs: int,
+           primal_names: Sequence[str] = ()) -> Dataflow:
+        nodes = list(graph.nodes)
+        edges = nx.DiGraph()
+        edges.add_nodes_from(nodes)
+        edges.add_edges_from((arg, node) for node in nodes for arg in node.all_input_nodes)
+        outputs = output_values(graph)
+        tangents = [n for n in nodes if is_tangent(n) and n.users]
+        backward: set[fx.Node] = set(tangents)
+        for tangent in tangents:
+            backward |= nx.descendants(edges, tangent)
+        backward = {n for n in backward if n.op != "output"}
+        seeds: set[fx.Node] = set()
+        for node in nodes:
+            if node in backward and node.op == "call_function" and all(
+                a in seeds or is_tangent(a) for a in node.all_input_nodes
+            ):
+                seeds.add(node)
+        forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+        required = _ancestors_of(edges, forward_outputs) | set(forward_outputs)
+        required |= {n for n in nodes if n.op == "placeholder" and not is_tangent(n)}
+        return cls(
+            graph=graph,
+            edges=edges,
+            position=topo_positions(graph),
+            by_name={n.name: n for n in nodes},
+            backward=frozenset(backward),
+            seeds=frozenset(seeds),
+            required_forward=frozenset(required),
+            grad_index={out: i for i, out in enumerate(outputs[num_fwd_outputs:])
+                        if isinstance(out, fx.Node)},
+            primal_label=_primal_labels(graph, primal_names),
+            helper_pool=edges.subgraph(
+                n for n in nodes if n not in backward and n not in required),
         )
-    by_name = {n.name: n for n in nodes}
 
-    def ready_position(comp: Component) -> int:
-        return position[by_name[comp.ready_after]]
+    def backward_pieces(self) -> list[set[fx.Node]]:
+        """The connected components of the backward, seeds and tangents left out."""
+        core = [n for n in self.graph.nodes
+                if n in self.backward and n not in self.seeds and not is_tangent(n)]
+        return list(nx.connected_components(self.edges.subgraph(core).to_undirected(
+            as_view=True)))
 
-    # NB: deterministic order please: by ready point, then by first node.
-    components.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
-    with_grads = [c for c in components if c.grad_outputs]
-    latest = max((ready_position(c) for c in with_grads), default=-1)
+    def describe(self, members: set[fx.Node]) -> Component:
+        return _describe(members, self.seeds, self.helper_pool, self.required_forward,
+                         self.grad_index, self.position)
 
-    def params_of(comp: Component) -> tuple[str, ...]:
-        return tuple(primal_label[i] for i, _ in sorted(comp.grad_outputs))
+    def ready_position(self, comp: Component) -> int:
+        return self.position[self.by_name[comp.ready_after]]
 
-    def describe(members: set[fx.Node]) -> Component:
-        return _describe(members, seeds, helper_pool, required_forward, grad_index, position)
+    def order(self, comp: Component) -> tuple[int, int]:
+        """NB: deterministic order please: by ready point, then by first node."""
+        return self.ready_position(comp), self.position[self.by_name[comp.nodes[0]]]
+
+    def params_of(self, comp: Component) -> tuple[str, ...]:
+        return tuple(self.primal_label[i] for i, _ in sorted(comp.grad_outputs))
+
+    def cut(self, comp: Component) -> _Cut | None:
+        grad_label = {node: self.primal_label[i] for node, i in self.grad_index.items()}
+        return _cut(comp, self.by_name, self.seeds, self.required_forward, self.position,
+                    self.describe, grad_label)
+
+
+def _judge_components(
+    components: Sequence[Component], facts: Dataflow, latest: int
+) -> tuple[list[Component], list[Rejected]]:
+    """Each component early (whole, in pieces, or its parts split at sums) or rejected, why."""
 
     def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
-        return _reject_reason(comp, by_name, latest, position)
-
-    grad_label = {node: primal_label[i] for node, i in grad_index.items()}
-
-    def cut(comp: Component) -> _Cut | None:
-        return _cut(comp, by_name, seeds, required_forward, position, describe, grad_label)
+        return _reject_reason(comp, facts.by_name, latest, facts.position)
 
     early: list[Component] = []
     rejected: list[Rejected] = []
     for comp in components:
         reason, detail, node = judge(comp)
         if reason is None:
-            early.append(_in_pieces(comp, cut(comp), by_name, seeds, position, judge) or comp)
+            pieces = _in_pieces(comp, facts.cut(comp), facts.by_name, facts.seeds,
+                                facts.position, judge)
+            early.append(pieces or comp)
             continue
-        pieces = cut(comp)
-        if pieces is None:
-            rejected.append(Rejected(comp, reason, detail, node, params_of(comp)))
+        cut = facts.cut(comp)
+        if cut is None:
+            rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp)))
             continue
-        judged = [judge(part) for part in pieces.parts]
+        judged = [judge(part) for part in cut.parts]
         if reason in _SPLIT_REASONS and any(why[0] is None for why in judged):
-            early += [part for part, why in zip(pieces.parts, judged) if why[0] is None]
-            rejected += _left_in_backward(pieces, judged, params_of)
+            early += [part for part, why in zip(cut.parts, judged) if why[0] is None]
+            rejected += _left_in_backward(cut, judged, facts.params_of)
             continue
-        detail += _met_in_sums_text(pieces, judged if reason in _SPLIT_REASONS else None)
-        rejected.append(Rejected(comp, reason, detail, node, params_of(comp), pieces.meetings))
-    early.sort(key=lambda c: (ready_position(c), position[by_name[c.nodes[0]]]))
-    blocks = [Block(i, comp, comp.tangents[0], params_of(comp)) for i, comp in enumerate(early)]
-
-    analysis = BlockAnalysis(
-        blocks=tuple(blocks),
-        rejected=tuple(rejected),
-        backward_flops=sum(node_flops(n) for n in backward),
-        num_fwd_outputs=num_fwd_outputs,
-    )
-    check_block_analysis(gm, analysis)
-    return analysis
+        detail += _met_in_sums_text(cut, judged if reason in _SPLIT_REASONS else None)
+        rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp),
+                                 cut.meetings))
+    return early, rejected
 
 
 def _ancestors_of(dataflow: nx.DiGraph, targets: Sequence[fx.Node]) -> set[fx.Node]:

@@ -49,13 +49,14 @@ After::
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.find_stop_gradient_blocks import BlockAnalysis
+from erase_fx.passes.find_stop_gradient_blocks import Block, BlockAnalysis
 from erase_fx.passes.graph import (
     aten,
     call_with_val,
@@ -121,18 +122,7 @@ def schedule_early_backward(
                 env[node] = clone
                 last = clone
 
-        for name in comp.partials:
-            # the sums in the backward read T / s * the early part instead
-            original = by_name[name]
-            users = [u for u in original.users if u.name not in to_clone]
-            with graph.inserting_after(original):
-                scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, cfg.seed,
-                                         fake_mode)
-                scaled = call_with_val(graph, aten.mul.Tensor, (env[original], scale),
-                                       fake_mode=fake_mode)
-            set_meta(scaled, NodeMeta(Role.PARTIAL_SCALE, block=block.id))
-            for user in users:
-                user.replace_input_with(original, scaled)
+        _scale_partials(graph, block, by_name, env, to_clone, cfg.seed, fake_mode)
 
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
@@ -184,6 +174,23 @@ def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:
     set_meta(node, meta)
     # NB: the stock partitioners keep nodes tagged is_forward in the forward graph.
     node.meta["partitioner_tag"] = "is_forward"
+
+
+def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
+                    env: dict[fx.Node, fx.Node], cloned: set[str], seed: float,
+                    fake_mode: Any) -> None:
+    """The sums in the backward read ``T / s *`` each early part instead of the part."""
+    tangent = by_name[block.tangent]
+    for name in block.component.partials:
+        original = by_name[name]
+        users = [u for u in original.users if u.name not in cloned]
+        with graph.inserting_after(original):
+            scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, seed, fake_mode)
+            scaled = call_with_val(graph, aten.mul.Tensor, (env[original], scale),
+                                   fake_mode=fake_mode)
+        set_meta(scaled, NodeMeta(Role.PARTIAL_SCALE, block=block.id))
+        for user in users:
+            user.replace_input_with(original, scaled)
 
 
 def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
