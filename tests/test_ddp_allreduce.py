@@ -32,9 +32,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from spawn_helpers import each_rank, spawn_ranks
 
 WORLD = 2
 #: wide enough (about 1 MiB of weights per stage) that 1 MB buckets split it
@@ -275,25 +276,11 @@ def records(tmp_path_factory) -> dict[str, Any]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     init = tmp_path_factory.mktemp("ddp") / "init"
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=_worker, args=(rank, str(init), list(SCENARIOS), queue))
-                 for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=600) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    return results
+    return spawn_ranks(_worker, WORLD, (str(init), list(SCENARIOS)), timeout=600)
 
 
-def _each_rank(records: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    out = []
-    for rank in range(WORLD):
-        record = records[rank][name]
-        assert "error" not in record, f"rank {rank}: {record.get('error')}"
-        out.append(record)
-    return out
+def _each_rank(records: dict[int, Any], name: str) -> list[dict[str, Any]]:
+    return each_rank(records, name, WORLD)
 
 
 @pytest.mark.parametrize("name", ["default", "no_sync", "find_unused", "static_graph",

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawn_helpers import each_rank, spawn_ranks
 
 WORLD = 2
 
@@ -104,25 +105,11 @@ def records(tmp_path_factory) -> dict[int, Any]:
     except ImportError:
         pytest.skip("no FSDP2 (torch.distributed.fsdp.fully_shard) in this torch")
     init = tmp_path_factory.mktemp("fsdp2") / "init"
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=_worker, args=(rank, str(init), queue))
-                 for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    return results
+    return spawn_ranks(_worker, WORLD, (str(init),), timeout=300)
 
 
 def _each_rank(records: dict[int, Any], name: str) -> list[dict[str, Any]]:
-    out = []
-    for rank in range(WORLD):
-        record = records[rank][name]
-        assert "error" not in record, f"rank {rank}: {record.get('error')}"
-        out.append(record)
-    return out
+    return each_rank(records, name, WORLD)
 
 
 def test_fsdp2_whole_model_unit_runs_every_block_early_and_equals_eager_fsdp2(records):

@@ -37,7 +37,19 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.body(x), labels)
 
 
-class DetachedConvStages(nn.Module):
+class LocalLossStages(nn.Module):
+    """Stages, each with a local head and cross-entropy; each stage reads the last one detached."""
+
+    def forward(self, x, labels):
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages, self.heads):
+            x = stage(x)
+            loss = loss + F.cross_entropy(head(x), labels)
+            x = x.detach()
+        return loss
+
+
+class DetachedConvStages(LocalLossStages):
     """Three detached conv stages, each with a local conv head (the DGL style)."""
 
     def __init__(self, dropout: float = 0.0):
@@ -52,16 +64,9 @@ class DetachedConvStages(nn.Module):
                           nn.Linear(8, 5))
             for c in widths[1:])
 
-    def forward(self, x, labels):
-        loss = x.new_zeros(())
-        for stage, head in zip(self.stages, self.heads):
-            x = stage(x)
-            loss = loss + F.cross_entropy(head(x), labels)
-            x = x.detach()
-        return loss
 
 
-class DropoutChain(nn.Module):
+class DropoutChain(LocalLossStages):
     """Detached Linear-ReLU-Dropout stages with local heads: dropout in every early block."""
 
     def __init__(self, stages: int = 3, d: int = 16, p: float = 0.3):
@@ -71,13 +76,6 @@ class DropoutChain(nn.Module):
         self.heads = nn.ModuleList(
             nn.Sequential(nn.Dropout(p), nn.Linear(d, 3)) for _ in range(stages))
 
-    def forward(self, x, labels):
-        loss = x.new_zeros(())
-        for stage, head in zip(self.stages, self.heads):
-            x = stage(x)
-            loss = loss + F.cross_entropy(head(x), labels)
-            x = x.detach()
-        return loss
 
 
 def image_inputs():
@@ -202,7 +200,7 @@ def test_segments_keep_fx_strides_for_user_visible_outputs(monkeypatch):
     assert all(v is not None for v in captured.values())  # static shapes: strides flow
 
 
-class WideChain(nn.Module):
+class WideChain(LocalLossStages):
     """Detached Linear-ReLU stages 1100 wide: rows Inductor pads on a GPU (stride 1100 > 1024)."""
 
     def __init__(self, stages: int = 3, d: int = 1100):
@@ -211,13 +209,6 @@ class WideChain(nn.Module):
                                     for _ in range(stages))
         self.heads = nn.ModuleList(nn.Linear(d, 5) for _ in range(stages))
 
-    def forward(self, x, labels):
-        loss = x.new_zeros(())
-        for stage, head in zip(self.stages, self.heads):
-            x = stage(x)
-            loss = loss + F.cross_entropy(head(x), labels)
-            x = x.detach()
-        return loss
 
 
 def test_early_gradients_keep_the_parameters_layout_under_padding(monkeypatch):
