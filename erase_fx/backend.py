@@ -42,10 +42,11 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from erase_fx import ddp, passes
-from erase_fx.compilation import GraphCompilation, input_names
+from erase_fx.compilation import GraphCompilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
 from erase_fx.errors import EraseOptionError
+from erase_fx.names import input_names
 from erase_fx.report import publish
 
 _graph_ids = itertools.count()
@@ -199,7 +200,7 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
-        compilation.guard_backward(outputs)
+        compilation.backward_guard.guard(outputs)
         return outputs
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.

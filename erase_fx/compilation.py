@@ -25,24 +25,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
-from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
+from erase_fx.emit.cudagraphs import GraphedForward, graph_backward, graph_forward
 from erase_fx.emit.inductor_segments import (
     compile_inductor_segments,
     keep_early_values_at_fx_strides,
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.scale_grads import ScaledBackward
-from erase_fx.errors import EraseRuntimeError, UnsupportedBlockError
+from erase_fx.errors import UnsupportedBlockError
+from erase_fx.guards import BackwardGuard
 from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
 from erase_fx.passes import (
     BlockAnalysis,
@@ -74,7 +73,8 @@ class GraphCompilation:
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
         self.has_early_blocks = False
-        self.bw_donates_buffers = False
+        #: raises clear errors on backward uses erase_fx cannot run (erase_fx.guards)
+        self.backward_guard = BackwardGuard()
         self.fw_metadata: Any = None
         self.graphed_forward: GraphedForward | None = None
         self.finished = False
@@ -313,36 +313,22 @@ class GraphCompilation:
 
         context = TracingContext.try_get()
         self.fw_metadata = getattr(context, "fw_metadata", None) if context else None
-        self.bw_donates_buffers = bool(getattr(self.fw_metadata, "bw_donated_idxs", None))
+        self.backward_guard.donates_buffers = bool(
+            getattr(self.fw_metadata, "bw_donated_idxs", None))
 
     def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any]) -> Any:
-        """Wrap the compiled forward in CUDA graph replay when the config and graph allow it."""
-        device = cuda_device_of(example_inputs)
-        if device is None or self.cfg.cudagraphs is False:
-            return compiled
+        """The compiled forward, replayed from a CUDA graph where the config and graph allow."""
+        refusal = None
         if self.early_allreduce is not None and self.early_allreduce.attached:
-            log.info("erase_fx graph %d: no CUDA graphs: it all-reduces early gradients in the "
-                     "forward (early_allreduce), which replay cannot do step by step",
-                     self.graph_id)
+            refusal = ("it all-reduces early gradients in the forward (early_allreduce), which "
+                       "replay cannot do step by step")
+        graphed = graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
+                                fw_metadata=self.fw_metadata, name=f"graph {self.graph_id}",
+                                refusal=refusal)
+        if graphed is None:
             return compiled
-        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
-                isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs):
-            log.info("erase_fx graph %d: dynamic shapes, so no CUDA graphs", self.graph_id)
-            return compiled
-        metadata = self.fw_metadata
-        num_user_outputs = getattr(metadata, "num_forward_returns", None)
-        if num_user_outputs is None:
-            log.info("erase_fx graph %d: no AOT forward metadata, so no CUDA graphs",
-                     self.graph_id)
-            return compiled
-        self.graphed_forward = GraphedForward(
-            compiled,
-            num_user_outputs=num_user_outputs,
-            static_input_indices=list(getattr(metadata, "static_input_indices", None) or ()),
-            device=device,
-            name=f"graph {self.graph_id}",
-        )
-        return self.graphed_forward
+        self.graphed_forward = graphed
+        return graphed
 
     def finish(self) -> GraphReport:
         self.finished = True
@@ -351,61 +337,3 @@ class GraphCompilation:
         log.info("erase_fx %s (erase_fx passes took %.0f ms)", self.report.summary(),
                  1000 * sum(self.timing.seconds.values()))
         return self.report
-
-    def guard_backward(self, outputs: Any) -> None:
-        """Make unsupported backward uses of this graph's outputs raise a clear error."""
-        seen = set()
-        for value in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
-            grad_fn = getattr(value, "grad_fn", None)
-            if grad_fn is None or id(grad_fn) in seen:
-                continue
-            seen.add(id(grad_fn))
-            grad_fn.register_prehook(self._check_backward)
-
-    def _check_backward(self, grad_outputs: Any) -> None:
-        if torch.is_grad_enabled():
-            raise EraseRuntimeError(
-                "backward",
-                "double backward (create_graph=True) through a graph with early blocks is not "
-                "supported: their gradients were computed in the forward, outside autograd",
-                fix="compile this model without backend='erase' for higher-order gradients",
-            )
-        if self.bw_donates_buffers and torch._C._autograd._get_current_graph_task_keep_graph():
-            raise EraseRuntimeError(
-                "backward",
-                "retain_graph=True through a graph whose backward reuses (donates) its saved "
-                "tensors, early gradients included: a second backward would read overwritten "
-                "values",
-                fix="call backward once per forward, or set "
-                "torch._functorch.config.donated_buffer = False before compiling",
-            )
-
-
-_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
-_SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
-
-
-def input_names(gm: fx.GraphModule) -> list[str]:
-    """A readable name for each flat input AOTAutograd sees: parameters by qualified name.
-
-    AOT's flat inputs are the module's own parameters and buffers (none when
-    Dynamo lifts them, the default) followed by the graph's placeholders.
-    """
-    names = [n for n, _ in gm.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in gm.named_buffers(remove_duplicate=False)]
-    for node in gm.graph.find_nodes(op="placeholder"):
-        names.append(_source_name(node))
-    return names
-
-
-def _source_name(node: fx.Node) -> str:
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    if source is None:
-        return str(node.target)
-    name = source.name() if callable(source.name) else source.name
-    parts = _SOURCE_PART.findall(name)
-    if parts:
-        return ".".join(parts)
-    local = _SOURCE_LOCAL.match(name)
-    return local.group(1) if local else name

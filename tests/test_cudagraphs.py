@@ -291,3 +291,39 @@ def test_a_backwards_gradients_still_held_block_its_replay(graphed):
     assert bw.unreplayed(saved + [torch.ones(())]) is Unreplayed.GRADIENTS_IN_USE
     del grad
     assert bw.unreplayed(saved + [torch.ones(())]) is None
+
+
+def test_which_forwards_are_replayed_from_a_graph(caplog):
+    """erase_fx.emit.cudagraphs.graph_forward: the policy, on fake CUDA tensors."""
+    import logging
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from erase_fx.emit.cudagraphs import graph_forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        on_gpu = [torch.empty(2, 3, device="cuda")]
+    shape_env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True):
+        dynamic = [torch.empty(shape_env.create_unbacked_symint(), device="cuda")]
+    metadata = types.SimpleNamespace(num_forward_returns=1, static_input_indices=[0])
+    fn = lambda args: args  # noqa: E731
+
+    def graphed(inputs, **kwargs):
+        options = dict(cudagraphs=None, fw_metadata=metadata, name="g")
+        return graph_forward(fn, inputs, **{**options, **kwargs})
+
+    assert isinstance(graphed(on_gpu), GraphedForward)
+    assert graphed(on_gpu).static_input_indices == [0]
+    assert graphed([torch.empty(2)]) is None  # CPU
+    assert graphed(on_gpu, cudagraphs=False) is None
+    with caplog.at_level(logging.INFO, "erase_fx"):
+        assert graphed(dynamic) is None
+        assert graphed(on_gpu, fw_metadata=None) is None
+        assert graphed(on_gpu, refusal="it all-reduces in the forward") is None
+    reasons = [r.getMessage() for r in caplog.records]
+    assert any("dynamic shapes" in m for m in reasons)
+    assert any("no AOT forward metadata" in m for m in reasons)
+    assert any("all-reduces in the forward" in m for m in reasons)
+    del mode

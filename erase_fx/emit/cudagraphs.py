@@ -433,3 +433,43 @@ _USE_COUNT = torch._C._storage_Use_Count
 def _storage_uses(tensor: torch.Tensor) -> int:
     """How many tensors share this tensor's memory."""
     return _USE_COUNT(tensor.untyped_storage()._cdata)
+
+
+def graph_forward(
+    compiled: BoxedCallable,
+    example_inputs: Sequence[Any],
+    *,
+    cudagraphs: bool | None,
+    fw_metadata: Any,
+    name: str,
+    refusal: str | None = None,
+) -> GraphedForward | None:
+    """A `GraphedForward` around a compiled forward, or None where replay cannot or should not run.
+
+    Not on CPU, not with ``cudagraphs=False``, not with dynamic shapes (a graph
+    replays one set of shapes), not without AOTAutograd's forward metadata
+    (which outputs are the user's), not when the caller gives a ``refusal``
+    (e.g. a forward that all-reduces in the middle); each but the first two
+    logs its reason once at INFO.
+    """
+    device = next((v.device for v in example_inputs
+                   if isinstance(v, torch.Tensor) and v.device.type == "cuda"), None)
+    if device is None or cudagraphs is False:
+        return None
+    if refusal is None and any(
+            isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs):
+        refusal = "dynamic shapes"
+    num_user_outputs = getattr(fw_metadata, "num_forward_returns", None)
+    if refusal is None and num_user_outputs is None:
+        refusal = "no AOT forward metadata"
+    if refusal is not None:
+        log.info("erase_fx %s: no CUDA graphs: %s", name, refusal)
+        return None
+    return GraphedForward(
+        compiled,
+        num_user_outputs=num_user_outputs,
+        static_input_indices=list(getattr(fw_metadata, "static_input_indices", None) or ()),
+        device=device,
+        name=name,
+    )
