@@ -150,7 +150,7 @@ class ErasePartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # NB: part of Inductor's cache keys: erase_fx's own sources and settings
-        return (_SOURCES_HASH, repr(self.compilation.cfg))
+        return (_sources_hash(), repr(self.compilation.cfg))
 
     # NB: Inductor copies and pickles its config to build cache keys; this
     # object stands for its settings there, not for the compilation it holds.
@@ -178,7 +178,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return clone
 
 
+@functools.cache
 def _sources_hash() -> str:
+    """A hash of erase_fx's own sources (read once, at the first compile, not at import)."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     root = Path(__file__).resolve().parent
@@ -187,7 +189,6 @@ def _sources_hash() -> str:
     return get_hash_for_files(tuple(files)).hex()
 
 
-_SOURCES_HASH = _sources_hash()
 #: Exceptions that are not failures of a compile but Dynamo's way of saying
 #: "skip this frame" or "stop" (or erase_fx's, to the DDP optimizer: "split
 #: this one as usual"): they pass through the fallback.

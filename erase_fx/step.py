@@ -125,7 +125,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.emit.capture_scope import whole_step_scope
-from erase_fx.emit.cudagraphs import _data_ptrs_equal
+from erase_fx.emit.cudagraphs import data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
 log = logging.getLogger(__name__)
@@ -959,7 +959,7 @@ class _Record:
         for lst, items, label in self.lists:
             if len(lst) != len(items) or not all(map(operator.is_, lst, items)):
                 return f"{label} changed"
-        if not _data_ptrs_equal(self.tensors, self.ptrs, self.ptr_indices):
+        if not data_ptrs_equal(self.tensors, self.ptrs, self.ptr_indices):
             for t, ptr, label in zip(self.tensors, self.ptrs, self.tensor_labels):
                 if t.data_ptr() != ptr:
                     return (f"{label} moved to other memory (model.to, load_state_dict with "

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from erase_fx.emit.capture_scope import in_whole_step_scope
-from erase_fx.emit.inner import Boxed, BoxedCallable
+from erase_fx.emit.inner import Boxed, BoxedCallable, cuda_device_of, has_symbolic_shapes
 from erase_fx.emit.scale_grads import backward_keeps_graph
 
 log = logging.getLogger("erase_fx")
@@ -285,7 +285,7 @@ class GraphedForward(Boxed):
             self.backward.reset()
 
     def _static_inputs_stable(self, args: list[Any]) -> bool:
-        return len(args) == len(self.static_input_ptrs) and _data_ptrs_equal(
+        return len(args) == len(self.static_input_ptrs) and data_ptrs_equal(
             args, self.static_input_ptrs, self.static_input_indices)
 
     def _copy_inputs(self, args: list[Any]) -> None:
@@ -308,7 +308,7 @@ class GraphedForward(Boxed):
     def replayed_saved(self, saved: Sequence[Any]) -> bool:
         """Whether ``saved`` (a backward's saved inputs) are the last replay's saved outputs."""
         return (self.graph is not None and self.replays > 0 and len(saved) == len(self.saved_ptrs)
-                and _data_ptrs_equal(list(saved), self.saved_ptrs, self.saved_tensor_indices))
+                and data_ptrs_equal(list(saved), self.saved_ptrs, self.saved_tensor_indices))
 
 
 def graph_backward(forward: GraphedForward, fn: BoxedCallable, num_saved: int,
@@ -418,7 +418,7 @@ def _someone_else_captures() -> bool:
         torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
+def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
     """``tensors[i].data_ptr() == ptrs[i]`` for each i in ``indices`` (in C++ on CUDA builds)."""
     fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if fast is not None:
@@ -452,13 +452,10 @@ def graph_forward(
     (e.g. a forward that all-reduces in the middle); each but the first two
     logs its reason once at INFO.
     """
-    device = next((v.device for v in example_inputs
-                   if isinstance(v, torch.Tensor) and v.device.type == "cuda"), None)
+    device = cuda_device_of(example_inputs)
     if device is None or cudagraphs is False:
         return None
-    if refusal is None and any(
-            isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
-                isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs):
+    if refusal is None and has_symbolic_shapes(example_inputs):
         refusal = "dynamic shapes"
     num_user_outputs = getattr(fw_metadata, "num_forward_returns", None)
     if refusal is None and num_user_outputs is None:

@@ -42,13 +42,15 @@ taken from the producer's own report, never guessed.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.inner import BoxedCallable, mark_outputs_user_visible
+from erase_fx.emit.inner import BoxedCallable, has_symbolic_shapes, mark_outputs_user_visible
+from erase_fx.emit.scale_grads import is_dense_layout
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import SegmentedForward
 from erase_fx.passes.graph import output_node, output_values
@@ -86,7 +88,7 @@ def compile_inductor_segments(
     results = output_values(top)
     visible = _user_visible_values(whole, results)
     context = TracingContext.try_get()
-    keep_fx_strides = context is None or _has_symbols(example_inputs)
+    keep_fx_strides = context is None or has_symbolic_shapes(example_inputs)
 
     strides: dict[fx.Node, Stride | None] = {}
     compiled: dict[str, BoxedCallable] = {}
@@ -167,10 +169,7 @@ def _inputs_with_strides(
 
 
 def _restrided(value: torch.Tensor, stride: Stride) -> torch.Tensor:
-    fake_mode = getattr(value, "fake_mode", None)
-    if fake_mode is None:
-        return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
-    with fake_mode:
+    with getattr(value, "fake_mode", None) or contextlib.nullcontext():
         return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
 
 
@@ -186,18 +185,8 @@ def _dense(segment: fx.GraphModule, reported: Sequence[Any] | None,
         if (strides is None or not isinstance(value, torch.Tensor)
                 or not all(isinstance(s, int) for s in (*strides, *value.shape))):
             continue
-        if not _is_dense_layout(tuple(value.shape), tuple(strides)):
+        if not is_dense_layout(tuple(value.shape), tuple(strides)):
             return False
-    return True
-
-
-def _is_dense_layout(size: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a layout puts the elements in one span without gaps (in any dim order)."""
-    expected = 1
-    for stride, length in sorted((st, sz) for st, sz in zip(strides, size) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= length
     return True
 
 
@@ -209,13 +198,3 @@ def _reported_stride(reported: Sequence[Any] | None, index: int, segment: str) -
             WHERE, f"Inductor reported no static strides for output {index} of {segment}; "
                    "its readers could not be compiled for them")
     return tuple(value)
-
-
-def _has_symbols(example_inputs: Sequence[Any]) -> bool:
-    for value in example_inputs:
-        if isinstance(value, torch.SymInt):
-            return True
-        if isinstance(value, torch.Tensor) and any(
-                isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())):
-            return True
-    return False

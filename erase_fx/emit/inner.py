@@ -109,6 +109,17 @@ def example_inputs_of(gm: fx.GraphModule) -> list[Any]:
     return values
 
 
+def has_symbolic_shapes(example_inputs: Sequence[Any]) -> bool:
+    """Whether any example input is a SymInt or a tensor of symbolic size or strides."""
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())):
+            return True
+    return False
+
+
 def cuda_device_of(example_inputs: Sequence[Any]) -> torch.device | None:
     """The CUDA device the graph runs on, or None for a CPU graph."""
     for value in example_inputs:

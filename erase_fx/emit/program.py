@@ -237,19 +237,25 @@ class StreamProgram(Boxed):
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         if context is not None:
             self._complete(-1, env, context)
-        if self.side_streams and _capturing():
-            self._run_captured(env, context)
-        else:
+        if not (self.side_streams and _capturing()):
             self._run(env, context)
+        elif self.capture_plan is None:
+            # NB: by default nothing is freed before the join under capture,
+            # where memory freed is not guarded by the streams that read it
+            # (a race seen on an H200); `release_lag` opts into the plan.
+            self._run(env, context, free=False)
+        else:
+            self._run_captured(env, context)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
 
-    def _run(self, env: list[Any], context: Any = None) -> None:
-        """Each slot dropped after its last reader; ``record_stream`` guards cross-stream reuse."""
+    def _run(self, env: list[Any], context: Any = None, free: bool = True) -> None:
+        """Each slot dropped after its last reader (``free``); ``record_stream`` guards
+        cross-stream reuse."""
         for k, step in enumerate(self.steps):
             self._launch(step, env)
-            for slot in step.frees:
+            for slot in step.frees if free else ():
                 env[slot] = None
             if context is not None:
                 self._complete(k, env, context)
@@ -270,15 +276,7 @@ class StreamProgram(Boxed):
         view was not made where its memory was.
         """
         plan, streams = self.capture_plan, self.streams
-        if plan is None:
-            # NB: by default nothing is freed before the join under capture,
-            # where memory freed is not guarded by the streams that read it
-            # (a race seen on an H200); `release_lag` opts into the plan.
-            for k, step in enumerate(self.steps):
-                self._launch(step, env)
-                if context is not None:
-                    self._complete(k, env, context)
-            return
+        assert plan is not None
         seen = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
         pinned: set[int] = set()
         events: dict[int, Any] = {}

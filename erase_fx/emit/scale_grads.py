@@ -110,14 +110,16 @@ def is_dense(tensor: torch.Tensor) -> bool:
     NB: torch's own check (``torch._prims_common``) handles symbolic sizes and
     costs ~200 us a call; this runs once per early gradient per backward.
     """
-    if tensor.is_contiguous():
-        return True
+    return tensor.is_contiguous() or is_dense_layout(tensor.shape, tensor.stride())
+
+
+def is_dense_layout(size: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a layout puts the elements in one span without gaps or overlaps (any dim order)."""
     expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape)
-                               if sz != 1):
+    for stride, length in sorted((st, sz) for st, sz in zip(strides, size) if sz != 1):
         if stride != expected:
             return False
-        expected *= size
+        expected *= length
     return True
 
 
