@@ -228,14 +228,20 @@ def erase_graphs():
     return [o for o in gc.get_objects() if type(o) is GraphedForward]
 
 
-def stress(cfg, steps, device, graphs):
-    """Multi-stream vs one-stream program, deterministic: any difference is a race."""
+def stress(cfg, steps, device, graphs, release_lag=None):
+    """Multi-stream vs one-stream program, deterministic: any difference is a race.
+
+    ``release_lag`` (under capture, ``cudagraphs=True``) lets the captured
+    program release memory before the join, so later segments reuse it: the
+    run then also proves that reuse is ordered by events.
+    """
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:
         torch._dynamo.reset()
         base = DetachedChain(cfg).to(device)
         multi_model, single_model = copy.deepcopy(base), copy.deepcopy(base)
-        multi = compile_erase(multi_model, inner="inductor", cudagraphs=graphs)
+        multi = compile_erase(multi_model, inner="inductor", cudagraphs=graphs,
+                              release_lag=release_lag)
         single = compile_erase(single_model, inner="inductor", cudagraphs=graphs, overlap=False)
         differing = 0
         generator = torch.Generator(device=device).manual_seed(0)
@@ -288,6 +294,12 @@ def main(argv=None) -> int:
     parser.add_argument("--parity-config", default="mlp:256:512:1024:4")
     parser.add_argument("--parity-steps", type=int, default=3)
     parser.add_argument("--stress-steps", type=int, default=200)
+    parser.add_argument("--release-lags", default="uncaptured,none",
+                        help="comma-separated stress runs: uncaptured (erase's graphs off), "
+                        "none (captured, nothing released before the join), N (captured, "
+                        "release_lag=N)")
+    parser.add_argument("--parts", default="parity,stress,timing",
+                        help="comma-separated subset of parity,stress,timing")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--steps-per-trial", type=int, default=20)
@@ -296,16 +308,34 @@ def main(argv=None) -> int:
     print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
     failures = 0
 
+    parts = set(args.parts.split(","))
+    unknown = parts - {"parity", "stress", "timing"}
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
     parity_cfg = ChainConfig.parse(args.parity_config)
+    if "parity" in parts:
+        failures += parity_checks(parity_cfg, args.parity_steps, device)
+    if "stress" in parts:
+        runs = [(False, None) if lag == "uncaptured" else (True, None if lag == "none" else int(lag))
+                for lag in args.release_lags.split(",")]
+        failures += stress_checks(parity_cfg, args.stress_steps, device, runs)
+    if "timing" in parts:
+        timing_table(args)
+    return 1 if failures else 0
+
+
+def parity_checks(parity_cfg, parity_steps, device) -> int:
+    """Parity, scaling kernel, tangents, captures, training-loop shapes: the count that failed."""
+    failures = 0
     expected = expected_early_work(parity_cfg)
-    control, _ = check_parity(parity_cfg, {}, args.parity_steps, device, control=True)
+    control, _ = check_parity(parity_cfg, {}, parity_steps, device, control=True)
     print(f"parity {parity_cfg} stock torch.compile (control): max rel grad err {control:.2e}",
           flush=True)
     for options in ({"inner": "aot_eager", "cudagraphs": False},
                     {"inner": "aot_eager", "cudagraphs": True},
                     {"inner": "inductor", "cudagraphs": False},
                     {"inner": "inductor", "cudagraphs": True}):
-        err, work = check_parity(parity_cfg, options, args.parity_steps, device)
+        err, work = check_parity(parity_cfg, options, parity_steps, device)
         limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
         ok = err <= limit and work == expected
         failures += not ok
@@ -321,7 +351,7 @@ def main(argv=None) -> int:
     for options in ({"inner": "aot_eager", "cudagraphs": False},
                     {"inner": "aot_eager", "cudagraphs": True},
                     {"inner": "inductor", "cudagraphs": True}):
-        err, _ = check_parity(parity_cfg, options, args.parity_steps, device, tangent=1024.0)
+        err, _ = check_parity(parity_cfg, options, parity_steps, device, tangent=1024.0)
         limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
         failures += err > limit
         print(f"parity {parity_cfg} {options}, backward(1024.0): max rel grad err {err:.2e} "
@@ -344,15 +374,22 @@ def main(argv=None) -> int:
               f"steps: max rel err {err:.2e}, replays fw {fw_replays} bw {bw_replays} "
               f"{'OK' if ok else 'FAIL'}", flush=True)
 
-    for graphs in (False, True):
-        if not args.stress_steps:
-            break
-        differing = stress(parity_cfg, args.stress_steps, device, graphs)
-        failures += differing > 0
-        print(f"stress {parity_cfg} cudagraphs={graphs}: {args.stress_steps} steps, {differing} "
-              f"with any grad bit differing between 4 streams and 1 stream "
-              f"{'OK' if not differing else 'RACE'}", flush=True)
+    return failures
 
+
+def stress_checks(parity_cfg, steps, device, runs) -> int:
+    """The race stress, once per (cudagraphs, release_lag) of ``runs``: the count that raced."""
+    failures = 0
+    for graphs, lag in runs:
+        differing = stress(parity_cfg, steps, device, graphs, lag)
+        failures += differing > 0
+        print(f"stress {parity_cfg} cudagraphs={graphs} release_lag={lag}: {steps} steps, "
+              f"{differing} with any grad bit differing between 4 streams and 1 stream "
+              f"{'OK' if not differing else 'RACE'}", flush=True)
+    return failures
+
+
+def timing_table(args) -> None:
     rows = []
     for text in args.configs.split(","):
         rows += timing(ChainConfig.parse(text), device, args.trials, args.steps_per_trial,
@@ -364,7 +401,6 @@ def main(argv=None) -> int:
         ratio = f"{median / base[config]:.2f}x" if config in base else "-"
         print(f"| {config} | {name} | {median:.3f} | {low:.3f} | {high:.3f} | {ratio} | "
               f"{peak / 2**20:.0f} |")
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
 - control, the same program with one thing changed (erase only):
   ``/one-stream`` (``options={"overlap": False}``: every segment on the main
   stream, same segments and kernels: what the overlap alone is worth),
-  ``/streams=N`` (N side streams), ``/aot_eager`` (inner compiler
+  ``/streams=N`` (N side streams), ``/release-lag=N`` (``options=
+  {"release_lag": N}``: under capture, memory released N segments after its
+  last reader instead of at the join), ``/aot_eager`` (inner compiler
   ``aot_eager``: eager's kernels, so it must train exactly as eager).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
@@ -59,7 +61,7 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
             "step": ("inductor", "erase")}
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
-CONTROLS = ("one-stream", "aot_eager")  # and streams=N
+CONTROLS = ("one-stream", "aot_eager")  # and streams=N, release-lag=N
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -99,7 +101,7 @@ class Variant:
     compiler: str
     capture: str | None = None
     adam: bool = False
-    control: str | None = None  # one-stream | streams=N | aot_eager
+    control: str | None = None  # one-stream | streams=N | release-lag=N | aot_eager
 
     @classmethod
     def parse(cls, name: str) -> Variant:
@@ -128,9 +130,10 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N) apply to erase variants only")
-            if control not in CONTROLS and not re.fullmatch(r"streams=[1-9]\d*", control):
+            if control not in CONTROLS and not re.fullmatch(r"(streams|release-lag)=[1-9]\d*",
+                                                            control):
                 raise ValueError(f"variant {name!r}: control {control!r} is not one of "
-                                 f"{', '.join(CONTROLS)}, streams=N")
+                                 f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
         return cls(compiler, capture, adam, control)
 
     def __str__(self) -> str:
@@ -162,7 +165,8 @@ class Variant:
         elif self.control == "aot_eager":
             options["inner"] = "aot_eager"
         elif self.control is not None:
-            options["streams"] = int(self.control.split("=")[1])
+            key, value = self.control.split("=")
+            options[key.replace("-", "_")] = int(value)
         return options
 
     def stock(self) -> tuple[str, ...]:

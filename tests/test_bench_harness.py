@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("erase+step+adam", Variant("erase", "step", adam=True)),
     ("erase+step/one-stream", Variant("erase", "step", control="one-stream")),
     ("erase/aot_eager", Variant("erase", control="aot_eager")),
+    ("erase+step/release-lag=2", Variant("erase", "step", control="release-lag=2")),
 ])
 def test_variant_names_read_and_write_back(name, parsed):
     assert Variant.parse(name) == parsed
@@ -37,6 +38,8 @@ def test_variant_names_read_and_write_back(name, parsed):
     ("paper+adam", "no optimizer form"),
     ("inductor/one-stream", "erase variants only"),
     ("erase/streams=0", "is not one of"),
+    ("erase/release-lag=0", "is not one of"),
+    ("erase/release_lag=1", "is not one of"),
     ("torchsched", "is not one of eager, paper"),
     ("Erase", "is not compiler"),
 ])
@@ -73,6 +76,8 @@ def test_erase_options_of_the_controls():
         "inner": "inductor", "cudagraphs": False, "overlap": False}
     assert Variant.parse("erase+graphs/streams=2").erase_options["streams"] == 2
     assert Variant.parse("erase/aot_eager").erase_options["inner"] == "aot_eager"
+    assert Variant.parse("erase+step/release-lag=3").erase_options == {
+        "inner": "inductor", "cudagraphs": False, "release_lag": 3}
 
 
 def test_one_vocabulary_across_bench_and_its_tests():
