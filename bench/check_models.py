@@ -21,8 +21,12 @@ passed. Random models also check that two steps on the same batch draw
 different masks (fresh masks at every CUDA graph replay).
 
 Prints a line per model and variant, then a table; ``--out`` writes it as
-JSON too. ``--budget-s`` stops starting models in time (the rest are listed
-as skipped). Needs a GPU (torchvision for the vision models).
+JSON too (rewritten after each model). ``--budget-s`` stops starting models
+and variants in time: the models not started are listed as skipped, a model
+cut between variants is INCOMPLETE (counted as not passed). On an H200 a
+torchvision model takes 80-110 s per variant, four variants each: GoogLeNet
+alone needs about 6 minutes (``bench/device_run.sh models-a..d`` split the
+suite into device calls). Needs a GPU (torchvision for the vision models).
 """
 from __future__ import annotations
 
@@ -165,13 +169,20 @@ def masks_are_fresh(run: dict) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(*grads))
 
 
-def check_model(name: str, builder: Callable, random: bool, device, steps: int) -> dict:
+def check_model(name: str, builder: Callable, random: bool, device, steps: int,
+                deadline: float = float("inf")) -> dict:
+    """One model's row; a variant not started by ``deadline`` (``perf_counter``) is left out
+    and the verdict says INCOMPLETE."""
     torch.manual_seed(0)
     base, batch = builder(device)
     row = {"model": name, "random": random}
     runs = {}
     for variant in VARIANTS:
         start = time.perf_counter()
+        if start > deadline:
+            row["verdict"] = f"INCOMPLETE (budget spent before {variant})"
+            print(f"  {name}: {row['verdict']}", flush=True)
+            return row
         try:
             runs[variant] = train(variant, base, batch, steps)
         except Exception as error:  # noqa: BLE001 - reported as a failure of this row
@@ -245,7 +256,8 @@ def main(argv=None) -> int:
         builder, random = MODELS[name]
         print(f"{name}:", flush=True)
         try:
-            rows.append(check_model(name, builder, random, device, args.steps))
+            rows.append(check_model(name, builder, random, device, args.steps,
+                                    deadline=start + args.budget_s))
         except ImportError as error:
             skipped.append(f"{name} ({error})")
         if args.out:
@@ -255,7 +267,8 @@ def main(argv=None) -> int:
     print(table(rows))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
-    failed = [r["model"] for r in rows if "FAIL" in r.get("verdict", "FAIL")]
+    failed = [r["model"] for r in rows if "FAIL" in r.get("verdict", "FAIL")
+              or "INCOMPLETE" in r.get("verdict", "")]
     print(f"{len(rows) - len(failed)} of {len(rows)} models passed" +
           (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -18,6 +18,12 @@
 #                                      pairs of blocks with token heads) (~8 min)
 #   bash bench/device_run.sh vision-c  the same on GoogLeNet with its aux heads (~5 min)
 #   bash bench/device_run.sh vision-d  the same on EfficientNet-B0 (DGL, stochastic depth) (~5 min)
+#   bash bench/device_run.sh models-a  check_models: the dropout GPT and CTR models, DGL ResNet-18
+#                                      and MobileNetV3 (~8 min)
+#   bash bench/device_run.sh models-b  check_models: GoogLeNet with its aux heads (~6 min)
+#   bash bench/device_run.sh models-c  check_models: EfficientNet-B0, DGL and as shipped (~9 min)
+#   bash bench/device_run.sh models-d  check_models: the ViTs, MobileNetV3 and ResNet-18 as shipped
+#                                      (~9 min)
 #   bash bench/device_run.sh checks    check_cuda: parity, training-loop shapes, 2,000-step race stress
 #   bash bench/device_run.sh towers    bench.run and a race stress on towers over a shared front
 #                                      (the early parts of gradients summed in the backward; with
@@ -41,8 +47,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|vision-a|vision-b|vision-c|vision-d) ;;
+  models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
-  *) sed -n 2,39p "$0"; exit 2 ;;
+  *) sed -n 2,45p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -68,7 +75,16 @@ run() {
   timeout 570 python3 -m bench.run --budget-s 450 --out "$OUT/$name.json" --streams '' \
     --configs "$configs" --variants "$variants" "$@"
 }
+# models NAME LIST: one check_models part, results in $OUT/NAME.json and its log
+models() {
+  timeout 570 python3 -m bench.check_models --budget-s 480 --models "$2" --out "$OUT/$1.json" \
+    2>&1 | tee "$OUT/$1.log"
+}
 case "$1" in
+  models-a) models models-a gpt-dropout,ctr-dropout,tv-resnet18-dgl,tv-mobilenet-dgl ;;
+  models-b) models models-b tv-googlenet-aux ;;
+  models-c) models models-c tv-efficientnet-dgl,tv-efficientnet ;;
+  models-d) models models-d tv-vit-dgl,tv-vit-dropout,tv-mobilenet,tv-resnet18 ;;
   bench-a)
     run bench-a "$SMALL" "$CLASSIC" --budget-s 500 ;;
   bench-b)

@@ -95,3 +95,16 @@ def test_build_config_gives_model_and_batch_of_each_kind():
     gpt, (tokens, targets) = models.build_config(parse_config("gpt:2:64:8:2"), cpu)
     assert isinstance(gpt, GPTChain) and gpt.amp_dtype == torch.bfloat16
     assert tokens.shape == (2, 8)
+
+
+def test_check_models_marks_a_model_cut_by_the_budget_incomplete():
+    """A model whose variants the budget cuts is INCOMPLETE, and INCOMPLETE does not pass."""
+    from bench import check_models
+
+    def builder(device):
+        return torch.nn.Linear(4, 1), (torch.randn(2, 4),)
+
+    row = check_models.check_model("tiny", builder, False, torch.device("cpu"), steps=1,
+                                   deadline=0.0)
+    assert row["verdict"].startswith("INCOMPLETE (budget spent before stock64")
+    assert "stock" not in row
