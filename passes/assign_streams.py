@@ -3,7 +3,10 @@
 What: each early block runs on side stream ``1 + block % cfg.streams``
 (round-robin in ready-point order, so consecutive blocks overlap each other
 as well as the forward), and so does the part of the forward only that block
-needs: its local head and loss. Everything else runs on the main stream (0).
+needs: its local head and loss, the loss's tail included (the gather, mean
+and scaling that Inductor's decompositions leave after a saved log-softmax),
+so that only the scalar loss crosses to the main stream. Everything else runs
+on the main stream (0).
 Main-stream nodes that read a side-stream value, such as the sum of the local
 losses, run *after the join* (``NodeMeta.after_join``): once the main stream
 has waited for the side streams. Every edge from a node on one stream to a
@@ -111,15 +114,7 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
     returned = _returned_to_the_user(nodes[-1])
     if returned is None:
         return  # NB: without output descriptors, nothing moves: the safe schedule
-    # Nodes that only feed what the forward returns to the user (the loss
-    # sum), not tensors saved for the backward: they may run after the join.
-    feeds_output_only: set[fx.Node] = set()
-    for node in reversed(nodes):
-        if node.op == "call_function" and owner[node] is None and node.users and all(
-            (user.op == "output" and node in returned) or user in feeds_output_only
-            for user in node.users
-        ):
-            feeds_output_only.add(node)
+    feeds_output_only = _feeds_output_only(nodes, owner, returned)
     # NB: reverse order: a node's readers are decided before the node.
     for node in reversed(nodes):
         if node.op != "call_function" or owner[node] is not None or node.is_impure():
@@ -130,6 +125,66 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
         if all(owner.get(user) is not None or user.op == "output" or user in feeds_output_only
                for user in node.users):
             owner[node] = blocks.pop()
+    _pull_loss_tails_into_blocks(nodes, owner, feeds_output_only)
+
+
+def _feeds_output_only(nodes: list[fx.Node], owner: dict, returned: set[fx.Node]) -> set[fx.Node]:
+    """Main nodes that only feed what the forward returns to the user (the loss sum), not
+    tensors saved for the backward: they may run after the join."""
+    feeds: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op == "call_function" and owner[node] is None and node.users and all(
+            (user.op == "output" and node in returned) or user in feeds
+            for user in node.users
+        ):
+            feeds.add(node)
+    return feeds
+
+
+def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
+                                 feeds_output_only: set[fx.Node]) -> None:
+    """The tail of a local loss (a cross-entropy's gather, mean and scaling, after the
+    partitioner saved the log-softmax) joins its block: only the scalar crosses the join.
+
+    A node that only feeds the loss sum and reads values of one block alone
+    (besides graph inputs, constants and main-stream values computed before
+    the block's launch point, such as the labels) would otherwise run on the
+    main stream after the join, holding every block's head activations (a
+    batch x vocabulary log-softmax each) until the end of the forward. The
+    block's launch point (the last main node it reads) does not move.
+    Forward order: a tail of several nodes joins node by node.
+    """
+    position = {node: i for i, node in enumerate(nodes)}
+    launch_point: dict[int, int] = {}
+    for node in nodes:
+        if owner.get(node) is not None:
+            for arg in node.all_input_nodes:
+                if owner[arg] is None:
+                    launch_point[owner[node]] = max(launch_point.get(owner[node], -1),
+                                                    position[arg])
+    late: set[fx.Node] = set()  # main nodes that read a block's value: after the join
+    for node in nodes:
+        if (node.op == "call_function" and owner[node] is None and not node.is_impure()
+                and node in feeds_output_only):
+            owner[node] = _sole_block_read(node, owner, late, position, launch_point)
+        if owner[node] is None and any(owner[a] is not None or a in late
+                                       for a in node.all_input_nodes):
+            late.add(node)
+
+
+def _sole_block_read(node: fx.Node, owner: dict, late: set[fx.Node], position: dict,
+                     launch_point: dict[int, int]) -> int | None:
+    """The block whose values ``node`` reads, if it reads one block's values and otherwise
+    only main values made before that block's launch point (None: stay on main)."""
+    computed = [a for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")]
+    blocks = {owner[a] for a in computed if owner[a] is not None}
+    if len(blocks) != 1:
+        return None
+    block = blocks.pop()
+    limit = launch_point.get(block, -1)
+    if all(owner[a] == block or (a not in late and position[a] <= limit) for a in computed):
+        return block
+    return None
 
 
 def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict) -> None:

@@ -96,3 +96,26 @@ def test_check_catches_a_missing_sync_point():
     set_meta(node, NodeMeta(get_meta(node).role, get_meta(node).block, stream=get_meta(node).stream))
     with pytest.raises(GraphInvariantError, match="sync point missing"):
         check_stream_assignment(gm)
+
+
+def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
+    """With Inductor's decompositions a cross-entropy is log-softmax, then gather, mean and
+    scaling, and the partitioner keeps the log-softmax for the tail; CSE shares the labels'
+    processing between heads. The tail of each early block's loss runs on the block's
+    stream: the main stream reads only the scalar loss after the join, never a head's
+    batch x classes activations (which would live until the end of the forward)."""
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor"), inner="inductor")
+    gm = stages.assigned.gm
+    crossing = []
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if node.op == "output" or meta.stream != MAIN_STREAM:
+            continue
+        for arg in node.all_input_nodes:
+            if get_meta(arg).stream != MAIN_STREAM:
+                crossing.append((arg.name, tuple(arg.meta["val"].shape)))
+    assert crossing, "the loss sum reads the early blocks' losses after the join"
+    assert all(shape == () for _, shape in crossing), crossing
+    gathers = [n for n in gm.graph.nodes if n.target is aten.gather.default]
+    assert len(gathers) == 4
+    assert sorted(get_meta(n).stream for n in gathers) == [MAIN_STREAM, 1, 2, 3]
