@@ -186,7 +186,7 @@ class GraphCompilation:
         analysis: BlockAnalysis = run(
             "find_stop_gradient_blocks", find_stop_gradient_blocks, joint, self.cfg,
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
-        )
+        ).artifact
         self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg, joint=joint)
         self._handle_unsupported(analysis)
         if not analysis.blocks:
@@ -195,10 +195,10 @@ class GraphCompilation:
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
         scheduled = run("schedule_early_backward", schedule_early_backward, joint, self.cfg,
                         analysis)
-        fw, bw = run("partition_joint_graph", partition_joint_graph, scheduled.gm, joint_inputs,
-                     self.cfg, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        partition = run("partition_joint_graph", partition_joint_graph, scheduled.gm, self.cfg,
+                        joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs).artifact
         self.has_early_blocks = True
-        return fw, bw
+        return partition.fw, partition.bw
 
     def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                           inductor_kwargs: dict[str, Any]) -> StreamProgram:
@@ -229,7 +229,7 @@ class GraphCompilation:
     def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any]) -> Any:
         """The backward returning early grads unscaled, scaled in place after it (or None)."""
-        deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw)
+        deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw, self.cfg)
         if not deferred.modified:
             return None
         if self.cfg.inner == "inductor":
@@ -240,7 +240,7 @@ class GraphCompilation:
                 deferred.gm, None if inductor_config.bw_outputs_user_visible else [])
         return ScaledBackward(
             compile_graph(deferred.gm, example_inputs, self.cfg.inner, **inductor_kwargs),
-            deferred.num_grads, deferred.scaled)
+            deferred.artifact.num_grads, deferred.artifact.scaled)
 
     # -- helpers --------------------------------------------------------------
 

@@ -99,6 +99,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from erase_fx.config import EraseConfig
 from erase_fx.emit.scale_grads import is_dense
 from erase_fx.errors import EraseDistributedError
 from erase_fx.passes import defer_grad_scaling, get_meta
@@ -262,7 +263,8 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
     gradient that a sum in the backward completes, a gradient sharing memory)
     are left to DDP.
     """
-    deferred = defer_grad_scaling(bw)
+    # NB: defer_grad_scaling reads no setting: the plan asks its rule, with the defaults
+    deferred = defer_grad_scaling(bw, EraseConfig())
     if not deferred.modified:
         return ()
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
@@ -273,7 +275,7 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
         if index >= num_fwd_outputs and isinstance(value, fx.Node):
             saved_at.setdefault(value.name, index)
     grads = []
-    for entry in deferred.scaled:
+    for entry in deferred.artifact.scaled:
         # NB: the partitioner names each backward input after the forward node it saves.
         index = saved_at.get(bw_inputs[entry.saved_index].name)
         if index is None:

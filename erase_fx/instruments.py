@@ -1,10 +1,11 @@
 """Instruments: what runs around each pass (the passes themselves never log, time or write).
 
 `PassRunner.run(name, fn, *args)` calls ``before_pass`` / ``after_pass`` on
-every instrument; `PassRunner.record(name, value)` shows them a value no pass
+every instrument; `PassRunner.record(name, gm)` shows them a module no pass
 produced (the joint graph AOTAutograd traced, the backward it partitioned).
 `TimingInstrument` keeps how long each pass took (for the log);
-`DumpInstrument` writes numbered, diffable files of each step's result into
+`DumpInstrument` writes numbered, diffable files of each step's result (a
+pass's `PassResult` renders its own: `PassResult.render`) into
 ``<dump_dir>/graph_<n>/``::
 
     00_joint.py                       the joint graph AOTAutograd traced
@@ -64,7 +65,8 @@ import torch
 import torch._logging
 import torch.fx as fx
 
-from erase_fx.passes import BlockAnalysis, DeferredScaling, PassResult, SegmentedForward, get_meta
+from erase_fx.passes import BlockAnalysis, DumpFile, PassResult, SegmentedForward
+from erase_fx.passes.pass_result import graph_text
 from erase_fx.passes.graph import primals
 from erase_fx.report import GraphReport
 
@@ -153,18 +155,19 @@ class DumpInstrument:
         step = len(self.steps)
         self.steps.append(name)
         stem = step_stem(step, name)
-        for suffix, part, text in _render(result, RECORDED_VALUES.get(name, "the module")):
-            if suffix.endswith((".py", ".txt")):
-                text = provenance_header(step, name, is_pass, self.steps, part) + text
-            self._write(stem + suffix, text)
+        for file in _files_of(result, name):
+            text = file.text
+            if file.suffix.endswith((".py", ".txt")):
+                text = provenance_header(step, name, is_pass, self.steps, file.part) + text
+            self._write(stem + file.suffix, text)
         if is_pass:
             self.timings.append({"step": step, "pass": name, "seconds": round(seconds, 6)})
             # NB: backward passes run after the report: their timings are traced again.
             self._write(TIMINGS_FILE, timings_json(self.timings), emit=self._reported)
         if name == "joint" and isinstance(result, fx.GraphModule):
             self._primals = [node.name for node in primals(result.graph)]
-        if isinstance(result, BlockAnalysis):
-            self._param_names = param_names_by_input(self._primals, result)
+        if isinstance(result, PassResult) and isinstance(result.artifact, BlockAnalysis):
+            self._param_names = param_names_by_input(self._primals, result.artifact)
         if name == SCHEDULE_PASS and isinstance(result, PassResult):
             self._write_schedule(result.gm, step)
 
@@ -328,48 +331,23 @@ RECORDED_VALUES = {
 }
 
 
-def _render(result: Any, module_part: str) -> list[tuple[str, str, str]]:
-    """``(file suffix, what the file holds, text)`` for each file of one step's result."""
+def _files_of(result: Any, name: str) -> tuple[DumpFile, ...]:
+    """The dump files of one step: a pass's result renders its own; a recorded module is
+    its code."""
     if isinstance(result, SegmentedForward):
-        files = [(".py", "the split module: one call per segment, in launch order",
-                  _graph_text(result.gm))]
-        for segment in result.segments:
-            files.append((f".{segment.name}.py", f"segment {segment.name} of the split module",
-                          _graph_text(getattr(result.gm, segment.name))))
-        files.append((".segments.json", "the segments, as data", json.dumps(
-            [dataclasses.asdict(s) for s in result.segments], indent=2) + "\n"))
-        return files
+        # NB: split_segments returns its segments as a field, not yet as an artifact
+        return _segment_files(result)
     if isinstance(result, PassResult):
-        return [(".py", "the module the pass returned", _graph_text(result.gm))]
-    if isinstance(result, DeferredScaling):
-        return [(".py", f"the backward as compiled: {result.num_grads} gradients, then the "
-                 f"scales of the {len(result.scaled)} early ones returned unscaled",
-                 _graph_text(result.gm))]
-    if isinstance(result, fx.GraphModule):
-        return [(".py", module_part, _graph_text(result))]
-    if isinstance(result, tuple) and all(isinstance(r, fx.GraphModule) for r in result):
-        return [(".fwd.py", "the forward module", _graph_text(result[0])),
-                (".bwd.py", "the backward module", _graph_text(result[1]))]
-    if isinstance(result, BlockAnalysis):
-        return [(".json", "the blocks and rejected components, as data",
-                 json.dumps(dataclasses.asdict(result), indent=2, default=str) + "\n")]
-    return [(".txt", "the result", repr(result) + "\n")]
+        return result.render()
+    return (DumpFile(".py", RECORDED_VALUES.get(name, "the module"), graph_text(result)),)
 
 
-def _graph_text(gm: fx.GraphModule) -> str:
-    """The module's code, with each node's erase_fx decision as a comment."""
-    code = gm.print_readable(print_output=False, include_stride=False)
-    # NB: source-location comments hold absolute paths; dumps must diff clean.
-    lines = [line for line in code.splitlines() if not line.lstrip().startswith("# File:")]
-    notes = []
-    for node in gm.graph.nodes:
-        meta = get_meta(node)
-        if meta is not None and (meta.block is not None or meta.stream or meta.waits_for):
-            notes.append(
-                f"#   {node.name}: role={meta.role.value} block={meta.block} "
-                f"stream={meta.stream} waits_for={list(meta.waits_for)}"
-            )
-    if notes:
-        lines.append("# erase_fx node decisions:")
-        lines.extend(notes)
-    return "\n".join(lines) + "\n"
+def _segment_files(result: SegmentedForward) -> tuple[DumpFile, ...]:
+    files = [DumpFile(".py", "the split module: one call per segment, in launch order",
+                      graph_text(result.gm))]
+    for segment in result.segments:
+        files.append(DumpFile(f".{segment.name}.py", f"segment {segment.name} of the split module",
+                              graph_text(getattr(result.gm, segment.name))))
+    files.append(DumpFile(".segments.json", "the segments, as data", json.dumps(
+        [dataclasses.asdict(s) for s in result.segments], indent=2) + "\n"))
+    return tuple(files)

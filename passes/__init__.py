@@ -1,15 +1,17 @@
 """erase_fx's graph passes, in pipeline order.
 
 Each pass is a pure function of a GraphModule and an `EraseConfig` (plus the
-data an earlier pass decided): it never mutates its input, and it checks its
-own invariants before returning (``check_*``). See README.md in this folder.
+data an earlier pass decided) returning a `PassResult`: it never mutates its
+input, and it checks its own invariants before returning (``check_*``). See
+README.md in this folder.
 
 On the AOT joint graph::
 
-    find_stop_gradient_blocks   analysis -> BlockAnalysis (blocks, rejected + reasons)
+    find_stop_gradient_blocks   analysis -> the joint + BlockAnalysis (blocks, rejected + reasons)
       split_at_sums             (used by it) a component's loss terms, their parts, where they meet
     schedule_early_backward     joint -> joint with early blocks cloned into the forward
-    partition_joint_graph       joint -> (forward, backward), early grads kept in the forward
+    partition_joint_graph       joint -> forward + JointPartition(forward, backward), early grads
+                                kept in the forward
 
 On the forward module::
 
@@ -19,6 +21,7 @@ On the forward module::
 On the backward module::
 
     defer_grad_scaling          backward -> backward returning early grads unscaled + scales
+                                + DeferredScaling
 """
 from erase_fx.passes.assign_streams import assign_streams, stream_of_block
 from erase_fx.passes.defer_grad_scaling import DeferredScaling, ScaledGrad, defer_grad_scaling
@@ -31,18 +34,25 @@ from erase_fx.passes.find_stop_gradient_blocks import (
     find_stop_gradient_blocks,
 )
 from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta
-from erase_fx.passes.partition_joint_graph import partition_joint_graph, stock_partition
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.partition_joint_graph import (
+    JointPartition,
+    partition_joint_graph,
+    stock_partition,
+)
+from erase_fx.passes.pass_result import Artifact, DumpFile, PassResult
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
 from erase_fx.passes.split_at_sums import Meeting, TermSplit, split_at_sums
 from erase_fx.passes.split_segments import Segment, SegmentedForward, split_segments
 
 __all__ = [
     "MAIN_STREAM",
+    "Artifact",
     "Block",
     "BlockAnalysis",
     "Component",
     "DeferredScaling",
+    "DumpFile",
+    "JointPartition",
     "Meeting",
     "NodeMeta",
     "PassResult",

@@ -23,7 +23,9 @@ depends on tangents only. Invariants out (`check_deferred_scaling`): a new
 module (the input untouched) with the same inputs; its first
 ``num_grads`` outputs are the gradients, then the scales; each deferred
 gradient is a saved placeholder or a view chain of one, used by nothing else;
-no deferred GRAD_SCALE node is left.
+no deferred GRAD_SCALE node is left. The result's artifact, `DeferredScaling`,
+says which outputs are scales of which gradients; with nothing to defer the
+pass returns its input, unmodified.
 
 Before::
 
@@ -33,7 +35,7 @@ Before::
 
 After::
 
-    return (mm_3, t_65, view_13, tangents_1)     # + DeferredScaling(scaled=((1, 0), (2, 0)))
+    return (mm_3, t_65, view_13, tangents_1)     # artifact: DeferredScaling(3, scaled=(...))
 """
 from __future__ import annotations
 
@@ -41,9 +43,11 @@ import dataclasses
 
 import torch.fx as fx
 
+from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import aten, clone_module, is_tangent, output_node, output_values
 from erase_fx.passes.node_meta import Role, get_meta
+from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "defer_grad_scaling"
 
@@ -70,19 +74,21 @@ class ScaledGrad:
 
 @dataclasses.dataclass(frozen=True)
 class DeferredScaling:
-    """The rewritten backward and what its extra outputs mean."""
+    """What the rewritten backward's outputs mean: ``num_grads`` gradients, then the scales
+    of the ``scaled`` ones, returned unscaled."""
 
-    gm: fx.GraphModule
     num_grads: int
     scaled: tuple[ScaledGrad, ...]
 
-    @property
-    def modified(self) -> bool:
-        return bool(self.scaled)
+    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
+        return (DumpFile(".py", f"the backward as compiled: {self.num_grads} gradients, then "
+                         f"the scales of the {len(self.scaled)} early ones returned unscaled",
+                         graph_text(gm)),)
 
 
-def defer_grad_scaling(bw: fx.GraphModule) -> DeferredScaling:
+def defer_grad_scaling(bw: fx.GraphModule, cfg: EraseConfig) -> PassResult[DeferredScaling]:
     """Return early gradients unscaled plus their scales; see the module docstring."""
+    del cfg
     num_grads = len(output_values(bw.graph))
     gm, _ = clone_module(bw)
     graph = gm.graph
@@ -106,12 +112,12 @@ def defer_grad_scaling(bw: fx.GraphModule) -> DeferredScaling:
         scaled.append(ScaledGrad(grad_index, scales.index(scale), placeholder_index[saved]))
 
     if not scaled:
-        return DeferredScaling(bw, num_grads, ())
+        return PassResult(bw, modified=False, artifact=DeferredScaling(num_grads, ()))
     out.args = (tuple(outputs) + tuple(scales),)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
-    result = DeferredScaling(gm, num_grads, tuple(scaled))
+    result = PassResult(gm, modified=True, artifact=DeferredScaling(num_grads, tuple(scaled)))
     check_deferred_scaling(result)
     return result
 
@@ -128,19 +134,20 @@ def _saved_root(node: fx.Node, consumer: fx.Node) -> fx.Node | None:
         node, consumer = node.args[0], node
 
 
-def check_deferred_scaling(result: DeferredScaling) -> None:
+def check_deferred_scaling(result: PassResult[DeferredScaling]) -> None:
     """Invariants of the rewritten backward; raises GraphInvariantError."""
     graph = result.gm.graph
+    deferred = result.artifact
     outputs = output_values(graph)
-    num_scales = len(outputs) - result.num_grads
-    if num_scales < 1 and result.scaled:
+    num_scales = len(outputs) - deferred.num_grads
+    if num_scales < 1 and deferred.scaled:
         raise GraphInvariantError(PASS_NAME, "deferred gradients but no scale outputs")
     placeholders = list(graph.find_nodes(op="placeholder"))
-    for entry in result.scaled:
+    for entry in deferred.scaled:
         grad = outputs[entry.grad_index]
         if not 0 <= entry.scale_index < num_scales:
             raise GraphInvariantError(PASS_NAME, f"scale index {entry.scale_index} out of range")
-        scale = outputs[result.num_grads + entry.scale_index]
+        scale = outputs[deferred.num_grads + entry.scale_index]
         if isinstance(scale, fx.Node) and not _reads_only_tangents(scale):
             raise GraphInvariantError(PASS_NAME, "a scale reads a saved tensor", node=scale.name)
         root = grad

@@ -42,7 +42,8 @@ How:
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
 0-dim tangent and a ready point that is a forward node, reads no node of
 another component and is read outside only as gradients or gradient parts;
-ids follow ready-point order. The pass does not change the graph.
+ids follow ready-point order. The pass does not change the graph: it returns
+the input module, unmodified, with the `BlockAnalysis` as its artifact.
 
 Before (excerpt of a joint graph, block 1 detached from block 2)::
 
@@ -52,13 +53,14 @@ Before (excerpt of a joint graph, block 1 detached from block 2)::
     mse_loss_backward(expand, addmm_1, y)   # block 1 backward: component A
     ...                                     # block 2 backward: component B
 
-After: ``BlockAnalysis(blocks=(Block(id=0, ready_after="addmm_1", ...),),
-rejected=(Rejected(component B, reason=LAST_BLOCK),))``.
+After: ``PassResult(gm, modified=False, artifact=BlockAnalysis(blocks=(Block(id=0,
+ready_after="addmm_1", ...),), rejected=(Rejected(component B, reason=LAST_BLOCK),)))``.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -71,6 +73,7 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import is_primal, is_tangent, output_values, topo_positions
 from erase_fx.passes.linearity import linearity_violation
+from erase_fx.passes.pass_result import DumpFile, PassResult
 from erase_fx.passes.split_at_sums import (
     Meeting,
     TermSplit,
@@ -192,6 +195,13 @@ class BlockAnalysis:
     def early_flops(self) -> int:
         return sum(b.component.flops for b in self.blocks)
 
+    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
+        """The analysis's dump: its decisions as JSON (``gm`` is the joint graph, dumped
+        before the pass)."""
+        del gm
+        return (DumpFile(".json", "the blocks and rejected components, as data",
+                         json.dumps(dataclasses.asdict(self), indent=2, default=str) + "\n"),)
+
 
 def find_stop_gradient_blocks(
     gm: fx.GraphModule,
@@ -199,8 +209,11 @@ def find_stop_gradient_blocks(
     *,
     num_fwd_outputs: int,
     primal_names: Sequence[str] = (),
-) -> BlockAnalysis:
+) -> PassResult[BlockAnalysis]:
     """Analyse a joint graph; see the module docstring.
+
+    Returns the input module, unmodified, with the `BlockAnalysis` as the
+    artifact.
 
     Args:
         gm: AOTAutograd's joint graph (``primals_*``, ``tangents_*`` inputs;
@@ -227,7 +240,7 @@ def find_stop_gradient_blocks(
         num_fwd_outputs=num_fwd_outputs,
     )
     check_block_analysis(gm, analysis)
-    return analysis
+    return PassResult(gm, modified=False, artifact=analysis)
 
 
 @dataclasses.dataclass(frozen=True)

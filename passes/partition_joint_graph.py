@@ -11,13 +11,18 @@ Exposing them as temporary extra forward outputs forces them into the
 forward; they are then saved tensors of the forward, and the extra outputs are
 stripped from the forward module again.
 
-Invariants out: the forward module returns the original forward outputs
-first, then the saved values; every early gradient node is computed in the
-forward; the backward module's inputs are saved values then tangents, as
-AOTAutograd expects.
+Invariants out (`check_partition`): the forward module returns the original
+forward outputs first, then the saved values; every early gradient node is
+computed in the forward; the backward module's inputs are saved values then
+tangents, as AOTAutograd expects.
+
+The result: ``PassResult(fw, modified=True, artifact=JointPartition(fw, bw))``:
+the forward is the module the forward's passes go on with; the backward waits
+for the first ``.backward()``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch.fx as fx
@@ -31,6 +36,7 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.node_meta import Role, get_meta
+from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "partition_joint_graph"
 
@@ -38,6 +44,19 @@ STOCK_PARTITIONERS = {
     "min_cut": min_cut_rematerialization_partition,
     "default": default_partition,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class JointPartition:
+    """The two modules the partition made."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+
+    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
+        del gm  # NB: the result's module is the forward, ``self.fw``
+        return (DumpFile(".fwd.py", "the forward module", graph_text(self.fw)),
+                DumpFile(".bwd.py", "the backward module", graph_text(self.bw)))
 
 
 def stock_partition(
@@ -57,9 +76,13 @@ def stock_partition(
 
 
 def partition_joint_graph(
-    gm: fx.GraphModule, joint_inputs: Any, cfg: EraseConfig, *, num_fwd_outputs: int, **kwargs: Any
-) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward and backward modules with every early gradient in the forward."""
+    gm: fx.GraphModule, cfg: EraseConfig, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
+) -> PassResult[JointPartition]:
+    """Forward and backward modules with every early gradient in the forward.
+
+    ``joint_inputs`` and ``kwargs`` are AOTAutograd's, handed to the stock
+    partitioner (`stock_partition`).
+    """
     joint, _ = clone_module(gm)
     out = output_node(joint.graph)
     outputs = list(out.args[0])
@@ -93,7 +116,7 @@ def partition_joint_graph(
     fw.graph.lint()
     fw.recompile()
     check_partition(bw)
-    return fw, bw
+    return PassResult(fw, modified=True, artifact=JointPartition(fw, bw))
 
 
 def _saved_descs(k: int) -> list[Any]:

@@ -572,12 +572,13 @@ class Stages:
         self.joint = trace_joint(model, *inputs, inner=inner)
         self.analysis = find_stop_gradient_blocks(
             self.joint.gm, cfg, num_fwd_outputs=self.joint.num_fwd_outputs
-        )
+        ).artifact
         self.scheduled = schedule_early_backward(self.joint.gm, cfg, self.analysis)
-        self.fw, self.bw = partition_joint_graph(
-            self.scheduled.gm, self.joint.joint_inputs, cfg,
+        partition = partition_joint_graph(
+            self.scheduled.gm, cfg, self.joint.joint_inputs,
             num_fwd_outputs=self.joint.num_fwd_outputs, **self.joint.kwargs,
-        )
+        ).artifact
+        self.fw, self.bw = partition.fw, partition.bw
         self.assigned = assign_streams(self.fw, cfg)
         self.segmented = split_segments(self.assigned.gm, cfg)
 

@@ -36,8 +36,9 @@ def analysed(model, inputs, inner="aot_eager"):
         # compile_fx imports; trace_joint uses the decompositions without compile_fx.
         import torch._inductor.lowering  # noqa: F401
     joint = trace_joint(model, *inputs(), inner=inner)
-    return joint, find_stop_gradient_blocks(joint.gm, EraseConfig(inner=inner),
-                                            num_fwd_outputs=joint.num_fwd_outputs)
+    found = find_stop_gradient_blocks(joint.gm, EraseConfig(inner=inner),
+                                      num_fwd_outputs=joint.num_fwd_outputs)
+    return joint, found.artifact
 
 
 # -- which parts run early ---------------------------------------------------

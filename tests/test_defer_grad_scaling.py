@@ -24,6 +24,11 @@ from graphs import (
 )
 
 aten = torch.ops.aten
+CFG = EraseConfig(inner="aot_eager")
+
+
+def deferred_of(bw):
+    return defer_grad_scaling(bw, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +38,15 @@ def chain():
 
 def test_early_grads_leave_unscaled_with_one_scale_per_tangent(chain):
     code = chain.bw.code
-    deferred = defer_grad_scaling(chain.bw)
+    deferred = deferred_of(chain.bw)
     assert chain.bw.code == code  # the input is not touched
     early = {i for b in chain.analysis.blocks for i, _ in b.component.grad_outputs}
-    assert {e.grad_index for e in deferred.scaled} == early
+    assert {e.grad_index for e in deferred.artifact.scaled} == early
     outputs = output_values(deferred.gm.graph)
-    assert len(outputs) == deferred.num_grads + 1  # one loss, one tangent: one scale
+    assert len(outputs) == deferred.artifact.num_grads + 1  # one loss, one tangent: one scale
     assert is_tangent(outputs[-1])
     placeholders = list(deferred.gm.graph.find_nodes(op="placeholder"))
-    for entry in deferred.scaled:
+    for entry in deferred.artifact.scaled:
         node = outputs[entry.grad_index]
         while node.op == "call_function":
             assert node.target in VIEW_OPS
@@ -52,14 +57,15 @@ def test_early_grads_leave_unscaled_with_one_scale_per_tangent(chain):
 
 
 def test_deferred_grads_times_their_scale_equal_the_original_backward(chain):
-    deferred = defer_grad_scaling(chain.bw)
+    deferred = deferred_of(chain.bw)
     values = real_values(chain.bw)
     values = {k: (v * 3 if k.startswith("tangents") else v) for k, v in values.items()}
     args = [values[n.name] for n in chain.bw.graph.find_nodes(op="placeholder")]
     expected = chain.bw(*args)
     actual = deferred.gm(*args)
-    grads, scales = list(actual[: deferred.num_grads]), actual[deferred.num_grads:]
-    for entry in deferred.scaled:
+    num_grads = deferred.artifact.num_grads
+    grads, scales = list(actual[:num_grads]), actual[num_grads:]
+    for entry in deferred.artifact.scaled:
         grads[entry.grad_index] = grads[entry.grad_index] * scales[entry.scale_index]
     for got, want in zip(grads, expected):
         assert (got is None) == (want is None)
@@ -84,15 +90,15 @@ def _backward_graph(saved_has_another_user: bool) -> fx.GraphModule:
 
 
 def test_a_view_chain_of_a_saved_tensor_is_deferred():
-    deferred = defer_grad_scaling(_backward_graph(saved_has_another_user=False))
-    assert deferred.scaled == (ScaledGrad(grad_index=0, scale_index=0, saved_index=0),)
+    deferred = deferred_of(_backward_graph(saved_has_another_user=False))
+    assert deferred.artifact.scaled == (ScaledGrad(grad_index=0, scale_index=0, saved_index=0),)
     out = output_values(deferred.gm.graph)
     assert out[0].target is aten.t.default and out[2].name == "tangents_1"
 
 
 def test_a_saved_tensor_the_backward_also_reads_stays_scaled_in_the_graph():
     bw = _backward_graph(saved_has_another_user=True)
-    deferred = defer_grad_scaling(bw)
+    deferred = deferred_of(bw)
     assert not deferred.modified and deferred.gm is bw
 
 
@@ -184,11 +190,11 @@ def test_with_inductor_every_early_grad_is_deferred(monkeypatch, make_model, mak
     # gradient left scaled in the graph would cost a pass over its memory
     seen = []
 
-    def spy(bw):
-        result = defer_grad_scaling(bw)
+    def spy(bw, cfg):
+        result = defer_grad_scaling(bw, cfg)
         scaled_in_graph = [n for n in bw.graph.nodes
                            if (m := get_meta(n)) is not None and m.role is Role.GRAD_SCALE]
-        seen.append((len(scaled_in_graph), len(result.scaled)))
+        seen.append((len(scaled_in_graph), len(result.artifact.scaled)))
         return result
 
     monkeypatch.setattr(compilation, "defer_grad_scaling", spy)

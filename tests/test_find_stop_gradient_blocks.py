@@ -32,7 +32,10 @@ CFG = EraseConfig(inner="aot_eager")
 
 
 def analyse(joint, **kwargs):
-    return find_stop_gradient_blocks(joint.gm, CFG, num_fwd_outputs=joint.num_fwd_outputs, **kwargs)
+    found = find_stop_gradient_blocks(joint.gm, CFG, num_fwd_outputs=joint.num_fwd_outputs,
+                                      **kwargs)
+    assert found.gm is joint.gm and not found.modified
+    return found.artifact
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
