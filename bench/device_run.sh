@@ -10,6 +10,10 @@
 #                                      inductor, erase, the hand captures, the step API,
 #                                      reduce-overhead, erase+graphs (~7 min)
 #   bash bench/device_run.sh memory-b  the same on ctr:16384 (~3 min)
+#   bash bench/device_run.sh memory-c  step memory after the loss-tail fix: gpt:16:384:256:8 and
+#                                      ctr:16384 with the step API, release_lag 2 and 4, one side
+#                                      stream and one-stream controls,
+#                                      and bench.held_to_join on CUDA (~8 min)
 #   bash bench/device_run.sh vision-a  torchvision ResNet-18, DGL (detached stages) and as shipped:
 #                                      the step API and the hand capture of inductor and erase,
 #                                      erase's own graphs, inductor, a one-stream control (~8 min;
@@ -46,10 +50,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|step|memory-a|memory-b|vision-a|vision-b|vision-c|vision-d) ;;
+  bench-a|bench-b|step|memory-a|memory-b|memory-c|vision-a|vision-b|vision-c|vision-d) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
-  *) sed -n 2,45p "$0"; exit 2 ;;
+  *) sed -n 2,48p "$0"; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -85,6 +89,12 @@ case "$1" in
   models-b) models models-b tv-googlenet-aux ;;
   models-c) models models-c tv-efficientnet-dgl,tv-efficientnet ;;
   models-d) models models-d tv-vit-dgl,tv-vit-dropout,tv-mobilenet,tv-resnet18 ;;
+  memory-c)
+    python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      | tee "$OUT/held-to-join.md"
+    run memory-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      inductor+step,erase+step,erase+step/release-lag=2,erase+step/release-lag=4,erase+step/streams=1,erase+step/one-stream \
+      --budget-s 380 ;;
   bench-a)
     run bench-a "$SMALL" "$CLASSIC" --budget-s 500 ;;
   bench-b)

@@ -1,0 +1,126 @@
+"""What a captured erase forward holds until the join, by kind: ``python -m bench.held_to_join``.
+
+Under CUDA graph capture erase's forward (`StreamProgram`) frees nothing
+before the join at the end of the forward (``release_lag=None``, the
+default): every value one segment hands another stays alive until every
+stream is ordered. This script runs one forward and backward of each config
+(on CPU by default: the program, its slots and their sizes are the same as
+on a GPU, only the kernels differ), keeps every slot to the join as capture
+does, and sums the bytes held at the join by what they are:
+
+- ``main -> side``: made on the main stream, read by a side stream (a block's
+  activations, read by its early backward): what an event-ordered release
+  (``release_lag``) or a block forward on its own stream would free early;
+- ``side -> main``: made on a side stream, read by the main stream after the
+  join (the local losses: scalars, unless a loss's tail runs on main);
+- ``one stream``: made and read on one stream (freed after the last reader
+  when ``release_lag`` is set);
+- ``returned``: the forward's outputs (gradients of early blocks, tensors
+  saved for the backward): held by autograd whatever the program does.
+
+Storage shared with the forward's inputs (parameters, views of them) is not
+counted. Bytes are of the config's dtype on CPU (no autocast): a config run
+in bf16 on a GPU holds about half as many bytes for its activations.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from bench.models import build_config, parse_config
+from erase_fx.emit import program as program_module
+from erase_fx.passes import MAIN_STREAM
+
+KINDS = ("main -> side", "side -> main", "one stream", "returned")
+
+
+def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]:
+    """Bytes held in ``env`` (a finished run's slots, nothing freed) by kind."""
+    producer = {slot: step.stream for step in program.steps for slot in step.outputs if slot >= 0}
+    readers: dict[int, set[int]] = {}
+    for step in program.steps:
+        for slot in step.inputs:
+            readers.setdefault(slot, set()).add(step.stream)
+    returned = {slot for kind, slot in program.results if kind == "slot"}
+    seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
+            if isinstance(v, torch.Tensor)}
+    held = dict.fromkeys(KINDS, 0)
+    for slot, value in enumerate(env):
+        if slot < program.num_inputs or not isinstance(value, torch.Tensor):
+            continue
+        key = value.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        home, read_on = producer.get(slot, MAIN_STREAM), readers.get(slot, set())
+        if slot in returned:
+            kind = "returned"
+        elif read_on <= {home}:
+            kind = "one stream"
+        else:
+            kind = "main -> side" if home == MAIN_STREAM else "side -> main"
+        held[kind] += value.untyped_storage().nbytes()
+    return held
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, int]]]:
+    """Every `StreamProgram` run inside holds its slots to the join, and reports them.
+
+    NB: an observer wrapped around the program's private ``_run`` (bench only):
+    it changes when memory is freed, never what is computed.
+    """
+    found: list[dict[str, int]] = []
+    original = program_module.StreamProgram._run
+
+    def run_holding(self, env, context=None, free=True):
+        original(self, env, context, free=False)
+        found.append(classify(self, env))
+
+    program_module.StreamProgram._run = run_holding
+    try:
+        yield found
+    finally:
+        program_module.StreamProgram._run = original
+
+
+def measure(text: str, device: torch.device, inner: str = "inductor") -> dict[str, int]:
+    """Bytes held to the join by kind, summed over the programs of one training step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs = build_config(parse_config(text), device)
+    fn = torch.compile(model, backend="erase",
+                       options={"on_error": "raise", "cudagraphs": False, "inner": inner})
+    with recording() as found:
+        fn(*inputs).backward()
+    total = dict.fromkeys(KINDS, 0)
+    for held in found:
+        for kind, size in held.items():
+            total[kind] += size
+    return total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="gpt:4:384:256:8,mlp:512:1024:2048:6,"
+                        "ctr:1024:512:1024:6")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--inner", default="inductor",
+                        help="erase's inner compiler (inductor: the segments a user gets)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    print("| config | " + " | ".join(f"{k} MiB" for k in KINDS) + " |")
+    print("|---|" + "---|" * len(KINDS))
+    for text in args.configs.split(","):
+        held = measure(text, device, args.inner)
+        print(f"| {text} | " + " | ".join(f"{held[k] / 2**20:.1f}" for k in KINDS) + " |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
