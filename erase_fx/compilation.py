@@ -3,12 +3,16 @@
 AOTAutograd calls back into `GraphCompilation` in this order: ``partition``
 (the joint graph), then ``compile_forward``, then, lazily at the first
 ``.backward()``, ``compile_backward``; or only ``compile_inference`` when no
-gradient is needed. The passes run in pipeline order through a `PassRunner`,
-whose instruments time and dump them::
+gradient is needed. Each callback runs its pass list, declared once in
+`erase_fx.passes.pipeline` (`JOINT_PASSES`, `FORWARD_PASSES`,
+`BACKWARD_PASSES`), with `run_passes`, through a `PassRunner` whose
+instruments time and dump each pass; then it does what is not a pass::
 
-    joint:   find_stop_gradient_blocks -> schedule_early_backward -> partition_joint_graph
-    forward: assign_streams -> split_segments -> compile each segment -> StreamProgram
-    backward: defer_grad_scaling -> compile -> ScaledBackward (scales early grads in place)
+    partition         JOINT_PASSES; no early block: the stock partitioner
+    compile_forward   FORWARD_PASSES, then each segment compiled, and the StreamProgram
+                      driving them (CUDA graphs where allowed)
+    compile_backward  BACKWARD_PASSES, then compiled, as a ScaledBackward (scales early
+                      grads in place)
 
 With Inductor inside, these callbacks plug into stock Inductor's own
 ``compile_fx`` (`erase_fx.backend`): ``partition`` is its custom partitioner
@@ -44,13 +48,12 @@ from erase_fx.errors import UnsupportedBlockError
 from erase_fx.guards import BackwardGuard
 from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
 from erase_fx.passes import (
+    BACKWARD_PASSES,
+    FORWARD_PASSES,
+    JOINT_PASSES,
     BlockAnalysis,
-    assign_streams,
-    defer_grad_scaling,
-    find_stop_gradient_blocks,
-    partition_joint_graph,
-    schedule_early_backward,
-    split_segments,
+    PassResult,
+    run_passes,
     stock_partition,
 )
 from erase_fx.passes.graph import is_tangent, primals
@@ -181,30 +184,30 @@ class GraphCompilation:
     def _partition(
         self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        run = self.runner.run
         self.runner.record("joint", joint)
-        analysis: BlockAnalysis = run(
-            "find_stop_gradient_blocks", find_stop_gradient_blocks, joint, self.cfg,
+        results = run_passes(
+            JOINT_PASSES, joint, self.cfg, runner=self.runner,
+            after={"find_stop_gradient_blocks": self._note_analysis},
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
-        ).artifact
-        self.report = GraphReport.from_analysis(self.graph_id, analysis, self.cfg, joint=joint)
-        self._handle_unsupported(analysis)
-        if not analysis.blocks:
+            joint_inputs=joint_inputs, partition_kwargs=kwargs,
+        )
+        if not results["find_stop_gradient_blocks"].artifact.blocks:
             self.report = self.report.with_fallback("no early block")
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
-        scheduled = run("schedule_early_backward", schedule_early_backward, joint, self.cfg,
-                        analysis)
-        partition = run("partition_joint_graph", partition_joint_graph, scheduled.gm, self.cfg,
-                        joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs).artifact
+        partition = results["partition_joint_graph"].artifact
         self.has_early_blocks = True
         return partition.fw, partition.bw
 
+    def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
+        """Right after the analysis, before the scheduling: the report, and unsupported blocks."""
+        self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg,
+                                                joint=found.gm)
+        self._handle_unsupported(found.artifact)
+
     def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                           inductor_kwargs: dict[str, Any]) -> StreamProgram:
-        run = self.runner.run
-        assigned = run("assign_streams", assign_streams, fw, self.cfg)
-        segmented = run("split_segments", split_segments, assigned.gm, self.cfg)
+        segmented = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner)["split_segments"]
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
         else:
@@ -229,7 +232,8 @@ class GraphCompilation:
     def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any]) -> Any:
         """The backward returning early grads unscaled, scaled in place after it (or None)."""
-        deferred = self.runner.run("defer_grad_scaling", defer_grad_scaling, bw, self.cfg)
+        results = run_passes(BACKWARD_PASSES, bw, self.cfg, runner=self.runner)
+        deferred = results["defer_grad_scaling"]
         if not deferred.modified:
             return None
         if self.cfg.inner == "inductor":

@@ -102,7 +102,8 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.emit.scale_grads import is_dense
 from erase_fx.errors import EraseDistributedError
-from erase_fx.passes import defer_grad_scaling, get_meta
+from erase_fx.passes import get_meta, run_pass
+from erase_fx.passes.pipeline import DEFER_GRAD_SCALING
 from erase_fx.passes.graph import output_values
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
     are left to DDP.
     """
     # NB: defer_grad_scaling reads no setting: the plan asks its rule, with the defaults
-    deferred = defer_grad_scaling(bw, EraseConfig())
+    deferred = run_pass(DEFER_GRAD_SCALING, bw, EraseConfig())
     if not deferred.modified:
         return ()
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))

@@ -1,7 +1,8 @@
 """Instruments: what runs around each pass (the passes themselves never log, time or write).
 
-`PassRunner.run(name, fn, *args)` calls ``before_pass`` / ``after_pass`` on
-every instrument; `PassRunner.record(name, gm)` shows them a module no pass
+The pass lists' driver (`erase_fx.passes.run_passes`) runs each pass through
+`PassRunner.run(name, fn, *args)`, which calls ``before_pass`` / ``after_pass``
+on every instrument; `PassRunner.record(name, gm)` shows them a module no pass
 produced (the joint graph AOTAutograd traced, the backward it partitioned).
 `TimingInstrument` keeps how long each pass took (for the log);
 `DumpInstrument` writes numbered, diffable files of each step's result (a
@@ -51,7 +52,6 @@ headers but in ``timings.json``, the one file that differs between runs.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -65,7 +65,7 @@ import torch
 import torch._logging
 import torch.fx as fx
 
-from erase_fx.passes import BlockAnalysis, DumpFile, PassResult, SegmentedForward
+from erase_fx.passes import BlockAnalysis, DumpFile, PassResult
 from erase_fx.passes.pass_result import graph_text
 from erase_fx.passes.graph import primals
 from erase_fx.report import GraphReport
@@ -334,20 +334,6 @@ RECORDED_VALUES = {
 def _files_of(result: Any, name: str) -> tuple[DumpFile, ...]:
     """The dump files of one step: a pass's result renders its own; a recorded module is
     its code."""
-    if isinstance(result, SegmentedForward):
-        # NB: split_segments returns its segments as a field, not yet as an artifact
-        return _segment_files(result)
     if isinstance(result, PassResult):
         return result.render()
     return (DumpFile(".py", RECORDED_VALUES.get(name, "the module"), graph_text(result)),)
-
-
-def _segment_files(result: SegmentedForward) -> tuple[DumpFile, ...]:
-    files = [DumpFile(".py", "the split module: one call per segment, in launch order",
-                      graph_text(result.gm))]
-    for segment in result.segments:
-        files.append(DumpFile(f".{segment.name}.py", f"segment {segment.name} of the split module",
-                              graph_text(getattr(result.gm, segment.name))))
-    files.append(DumpFile(".segments.json", "the segments, as data", json.dumps(
-        [dataclasses.asdict(s) for s in result.segments], indent=2) + "\n"))
-    return tuple(files)

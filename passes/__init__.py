@@ -2,8 +2,9 @@
 
 Each pass is a pure function of a GraphModule and an `EraseConfig` (plus the
 data an earlier pass decided) returning a `PassResult`: it never mutates its
-input, and it checks its own invariants before returning (``check_*``). See
-README.md in this folder.
+input, and its invariants are checked after it (``check_*``). The lists
+`JOINT_PASSES`, `FORWARD_PASSES`, `BACKWARD_PASSES` and their driver,
+`run_passes`, are in `pipeline.py`. See README.md in this folder.
 
 On the AOT joint graph::
 
@@ -43,8 +44,21 @@ from erase_fx.passes.pass_result import Artifact, DumpFile, PassResult
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
 from erase_fx.passes.split_at_sums import Meeting, TermSplit, split_at_sums
 from erase_fx.passes.split_segments import Segment, SegmentedForward, split_segments
+from erase_fx.passes.pipeline import (
+    BACKWARD_PASSES,
+    FORWARD_PASSES,
+    JOINT_PASSES,
+    Pass,
+    PassContext,
+    Segments,
+    run_pass,
+    run_passes,
+)
 
 __all__ = [
+    "BACKWARD_PASSES",
+    "FORWARD_PASSES",
+    "JOINT_PASSES",
     "MAIN_STREAM",
     "Artifact",
     "Block",
@@ -55,6 +69,8 @@ __all__ = [
     "JointPartition",
     "Meeting",
     "NodeMeta",
+    "Pass",
+    "PassContext",
     "PassResult",
     "RejectReason",
     "Rejected",
@@ -62,12 +78,15 @@ __all__ = [
     "ScaledGrad",
     "Segment",
     "SegmentedForward",
+    "Segments",
     "TermSplit",
     "assign_streams",
     "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",
     "partition_joint_graph",
+    "run_pass",
+    "run_passes",
     "schedule_early_backward",
     "split_at_sums",
     "split_segments",

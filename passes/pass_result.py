@@ -1,6 +1,6 @@
 """The value every pass returns, and the dump text it renders.
 
-Every pass of the pipeline returns a `PassResult`: the
+Every pass of the pipeline (`passes/pipeline.py`) returns a `PassResult`: the
 module the next pass reads (a new one from a structural pass, the input
 itself from an analysis), whether it differs from the input, and, where the
 pass decides more than a module, an *artifact*: that decision as data

@@ -557,30 +557,24 @@ def assert_outputs_close(actual: Sequence[Any], expected: Sequence[Any]) -> None
 
 
 class Stages:
-    """Every intermediate of the pass pipeline for one model, for pass tests."""
+    """Every intermediate of the pass pipeline for one model, for pass tests: the joint and
+    forward pass lists, run (and checked) by their driver, as compilation runs them."""
 
     def __init__(self, model: nn.Module, inputs: tuple[Any, ...], cfg: Any, inner: str = "aot_eager"):
-        from erase_fx.passes import (
-            assign_streams,
-            find_stop_gradient_blocks,
-            partition_joint_graph,
-            schedule_early_backward,
-            split_segments,
-        )
+        from erase_fx.passes import FORWARD_PASSES, JOINT_PASSES, run_passes
 
         self.cfg = cfg
         self.joint = trace_joint(model, *inputs, inner=inner)
-        self.analysis = find_stop_gradient_blocks(
-            self.joint.gm, cfg, num_fwd_outputs=self.joint.num_fwd_outputs
-        ).artifact
-        self.scheduled = schedule_early_backward(self.joint.gm, cfg, self.analysis)
-        partition = partition_joint_graph(
-            self.scheduled.gm, cfg, self.joint.joint_inputs,
-            num_fwd_outputs=self.joint.num_fwd_outputs, **self.joint.kwargs,
-        ).artifact
+        joint = run_passes(JOINT_PASSES, self.joint.gm, cfg,
+                           num_fwd_outputs=self.joint.num_fwd_outputs,
+                           joint_inputs=self.joint.joint_inputs, partition_kwargs=self.joint.kwargs)
+        self.analysis = joint["find_stop_gradient_blocks"].artifact
+        self.scheduled = joint["schedule_early_backward"]
+        partition = joint["partition_joint_graph"].artifact
         self.fw, self.bw = partition.fw, partition.bw
-        self.assigned = assign_streams(self.fw, cfg)
-        self.segmented = split_segments(self.assigned.gm, cfg)
+        forward = run_passes(FORWARD_PASSES, self.fw, cfg)
+        self.assigned = forward["assign_streams"]
+        self.segmented = forward["split_segments"]
 
 
 class EagerOnly(nn.Module):

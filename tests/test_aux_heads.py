@@ -6,7 +6,8 @@ import pytest
 
 import erase_fx
 from erase_fx.config import EraseConfig
-from erase_fx.passes import RejectReason, find_stop_gradient_blocks
+from erase_fx.passes import RejectReason, run_pass
+from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS
 from erase_fx.passes.split_at_sums import is_sum
 from erase_fx.report_text import DETAIL_WIDTH, format_report
 from graphs import (
@@ -36,8 +37,8 @@ def analysed(model, inputs, inner="aot_eager"):
         # compile_fx imports; trace_joint uses the decompositions without compile_fx.
         import torch._inductor.lowering  # noqa: F401
     joint = trace_joint(model, *inputs(), inner=inner)
-    found = find_stop_gradient_blocks(joint.gm, EraseConfig(inner=inner),
-                                      num_fwd_outputs=joint.num_fwd_outputs)
+    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, EraseConfig(inner=inner),
+                     num_fwd_outputs=joint.num_fwd_outputs)
     return joint, found.artifact
 
 

@@ -5,11 +5,18 @@ import pytest
 import torch
 import torch.fx as fx
 
-from erase_fx import compilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import scale_grads
 from erase_fx.emit.scale_grads import ScaledBackward, is_dense, scale_unless_one_
-from erase_fx.passes import NodeMeta, Role, ScaledGrad, defer_grad_scaling, get_meta
+from erase_fx.passes import (
+    NodeMeta,
+    Role,
+    ScaledGrad,
+    defer_grad_scaling,
+    get_meta,
+    pipeline,
+    run_pass,
+)
 from erase_fx.passes.defer_grad_scaling import VIEW_OPS, check_deferred_scaling
 from erase_fx.passes.graph import is_tangent, output_values
 from erase_fx.passes.node_meta import set_meta
@@ -28,7 +35,8 @@ CFG = EraseConfig(inner="aot_eager")
 
 
 def deferred_of(bw):
-    return defer_grad_scaling(bw, CFG)
+    """defer_grad_scaling's result, checked (`check_deferred_scaling`) as the pipeline checks it."""
+    return run_pass(pipeline.DEFER_GRAD_SCALING, bw, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +205,7 @@ def test_with_inductor_every_early_grad_is_deferred(monkeypatch, make_model, mak
         seen.append((len(scaled_in_graph), len(result.artifact.scaled)))
         return result
 
-    monkeypatch.setattr(compilation, "defer_grad_scaling", spy)
+    monkeypatch.setattr(pipeline, "defer_grad_scaling", spy)
     model = make_model()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="erase",

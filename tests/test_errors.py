@@ -88,12 +88,12 @@ def test_unsupported_op_in_an_early_block_stays_in_the_backward_under_fallback(c
 
 
 def test_internal_failure_falls_back_to_the_stock_path(monkeypatch, caplog):
-    import erase_fx.compilation as compilation
+    from erase_fx.passes import pipeline
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated pass failure")
 
-    monkeypatch.setattr(compilation, "schedule_early_backward", broken)
+    monkeypatch.setattr(pipeline, "schedule_early_backward", broken)
     with erase_fx.collect_reports() as reports, caplog.at_level(logging.WARNING, "erase_fx"):
         check_parity(Chain(3), chain_inputs, options={"on_error": "fallback"})
     assert reports[0].blocks == ()
@@ -102,24 +102,24 @@ def test_internal_failure_falls_back_to_the_stock_path(monkeypatch, caplog):
 
 
 def test_internal_failure_raises_under_raise(monkeypatch):
-    import erase_fx.compilation as compilation
+    from erase_fx.passes import pipeline
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated pass failure")
 
-    monkeypatch.setattr(compilation, "split_segments", broken)
+    monkeypatch.setattr(pipeline, "split_segments", broken)
     _, compiled = compile_chain(RAISE)
     with pytest.raises(Exception, match="simulated pass failure"):
         compiled(*chain_inputs())
 
 
 def test_segment_failure_falls_back_to_one_stream_with_early_grads_kept(monkeypatch):
-    import erase_fx.compilation as compilation
+    from erase_fx.passes import pipeline
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated split failure")
 
-    monkeypatch.setattr(compilation, "split_segments", broken)
+    monkeypatch.setattr(pipeline, "split_segments", broken)
     with erase_fx.collect_reports() as reports:
         check_parity(Chain(3), chain_inputs, options={"on_error": "fallback"})
     assert len(reports[0].blocks) == 2

@@ -15,6 +15,7 @@ import torch
 import erase_fx
 import erase_fx.compilation as compilation
 from erase_fx.emit.program import StreamProgram
+from erase_fx.passes import pipeline
 from graphs import Chain, chain_inputs, check_parity
 from test_stock_inductor import DropoutChain
 
@@ -48,16 +49,17 @@ def _inductor_joint_passes():
 
 #: stage name, (module, attribute) to break, the inner compiler, where the
 #: report says it failed, whether the early blocks survive (a forward or
-#: backward failure keeps the schedule, on one stream).
+#: backward failure keeps the schedule, on one stream). The passes are broken
+#: where the pass lists call them (`erase_fx.passes.pipeline`).
 STAGES = [
-    ("analysis", (compilation, "find_stop_gradient_blocks"), "aot_eager", "partition", False),
-    ("scheduling", (compilation, "schedule_early_backward"), "aot_eager", "partition", False),
-    ("partition", (compilation, "partition_joint_graph"), "aot_eager", "partition", False),
-    ("streams", (compilation, "assign_streams"), "aot_eager", "compile_forward", True),
-    ("segments", (compilation, "split_segments"), "aot_eager", "compile_forward", True),
+    ("analysis", (pipeline, "find_stop_gradient_blocks"), "aot_eager", "partition", False),
+    ("scheduling", (pipeline, "schedule_early_backward"), "aot_eager", "partition", False),
+    ("partition", (pipeline, "partition_joint_graph"), "aot_eager", "partition", False),
+    ("streams", (pipeline, "assign_streams"), "aot_eager", "compile_forward", True),
+    ("segments", (pipeline, "split_segments"), "aot_eager", "compile_forward", True),
     ("segment compile", (compilation, "compile_segment"), "aot_eager", "compile_forward", True),
     ("program", (StreamProgram, "build"), "aot_eager", "compile_forward", True),
-    ("backward passes", (compilation, "defer_grad_scaling"), "aot_eager", "compile_backward",
+    ("backward passes", (pipeline, "defer_grad_scaling"), "aot_eager", "compile_backward",
      True),
     ("backward compile", (compilation, "ScaledBackward"), "aot_eager", "compile_backward", True),
     ("inductor segments", (compilation, "compile_inductor_segments"), "inductor",

@@ -7,7 +7,8 @@ import torch.fx as fx
 
 import erase_fx
 from erase_fx.config import EraseConfig
-from erase_fx.passes import RejectReason, find_stop_gradient_blocks
+from erase_fx.passes import RejectReason, run_pass
+from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS
 from erase_fx.passes.linearity import is_zero_constant, linearity_violation
 from graphs import (
     Chain,
@@ -32,8 +33,9 @@ CFG = EraseConfig(inner="aot_eager")
 
 
 def analyse(joint, **kwargs):
-    found = find_stop_gradient_blocks(joint.gm, CFG, num_fwd_outputs=joint.num_fwd_outputs,
-                                      **kwargs)
+    """The analysis of a joint graph, checked (`check_block_analysis`) as the pipeline checks it."""
+    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                     num_fwd_outputs=joint.num_fwd_outputs, **kwargs)
     assert found.gm is joint.gm and not found.modified
     return found.artifact
 

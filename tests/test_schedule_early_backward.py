@@ -39,6 +39,7 @@ def test_input_graph_is_not_mutated():
     stages = Stages(TwoBlock(), two_block_inputs(), EraseConfig(inner="aot_eager"))
     code = stages.joint.gm.code
     again = schedule_early_backward(stages.joint.gm, stages.cfg, stages.analysis)
+    check_early_schedule(again.gm, stages.analysis)
     assert stages.joint.gm.code == code
     assert again.gm is not stages.joint.gm and again.modified
 

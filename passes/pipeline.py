@@ -1,0 +1,238 @@
+"""The pass lists, declared once, and the driver that runs them.
+
+AOTAutograd hands erase_fx three modules at three times
+(`erase_fx.compilation`): the joint graph, then the forward, then, at the
+first ``.backward()``, the backward. Each has its list of passes, in order::
+
+    JOINT_PASSES     find_stop_gradient_blocks > schedule_early_backward > partition_joint_graph
+    FORWARD_PASSES   assign_streams > split_segments
+    BACKWARD_PASSES  defer_grad_scaling
+
+`run_passes` runs one list over a module with the config: each pass reads the
+module the pass before returned (``PassResult.gm``), is checked by its own
+``check_*`` and shown to the caller's instruments (timings, dumps) through
+its runner; the results come back by pass name. What is not a pass
+(Inductor compiling segments, the stream program, CUDA graphs) is the
+caller's: `erase_fx.compilation`, `erase_fx.emit`.
+
+A `Pass` entry says how its pass is called (``run``: the module, a
+`PassContext` with the config, the results so far and what the caller gave),
+how its result is checked (``check``), and whether it runs at all
+(``runs_if``: the scheduling and the partition need an early block; when an
+entry's ``runs_if`` is false, it and the rest of its list are skipped, since
+they read what it would return).
+
+NB: ``run`` and ``check`` call the passes by their names in this module, so a
+test breaks a stage with ``monkeypatch.setattr(pipeline, "split_segments", ...)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch.fx as fx
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.assign_streams import assign_streams, check_stream_assignment
+from erase_fx.passes.defer_grad_scaling import check_deferred_scaling, defer_grad_scaling
+from erase_fx.passes.find_stop_gradient_blocks import (
+    BlockAnalysis,
+    check_block_analysis,
+    find_stop_gradient_blocks,
+)
+from erase_fx.passes.partition_joint_graph import check_partition, partition_joint_graph
+from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.schedule_early_backward import check_early_schedule, schedule_early_backward
+from erase_fx.passes.split_segments import Segment, check_segments, split_segments
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass entry reads besides its module.
+
+    Attributes:
+        cfg: the compilation's settings.
+        results: this list's results so far, by pass name.
+        given: what the caller handed `run_passes` (AOT's ``num_fwd_outputs``,
+            ``joint_inputs``, ``partition_kwargs``; ``primal_names``).
+    """
+
+    cfg: EraseConfig
+    results: Mapping[str, PassResult]
+    given: Mapping[str, Any]
+
+    def artifact(self, name: str) -> Any:
+        """The artifact of the earlier pass ``name``."""
+        return self.results[name].artifact
+
+
+def _always(context: PassContext) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One entry of a pass list; see the module docstring."""
+
+    name: str
+    run: Callable[[fx.GraphModule, PassContext], PassResult]
+    check: Callable[[PassResult, PassContext], None]
+    runs_if: Callable[[PassContext], bool] = _always
+
+
+class Runner(Protocol):
+    """Calls ``fn(*args)`` with the instruments around it (`erase_fx.instruments.PassRunner`)."""
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
+def run_passes(
+    passes: Sequence[Pass], gm: fx.GraphModule, cfg: EraseConfig, *,
+    runner: Runner | None = None,
+    after: Mapping[str, Callable[[PassResult], None]] | None = None,
+    **given: Any,
+) -> dict[str, PassResult]:
+    """Run ``passes`` in order over ``gm``; the checked results, by pass name, in order.
+
+    ``after[name](result)`` runs right after pass ``name`` (and its dump),
+    before the next pass: the caller's own bookkeeping (the report).
+    """
+    results: dict[str, PassResult] = {}
+    view = types.MappingProxyType(results)
+    for entry in passes:
+        context = PassContext(cfg, view, types.MappingProxyType(given))
+        if not entry.runs_if(context):
+            break
+        if runner is None:
+            result = _run_checked(entry, gm, context)
+        else:
+            result = runner.run(entry.name, _run_checked, entry, gm, context)
+        results[entry.name] = result
+        if after is not None and entry.name in after:
+            after[entry.name](result)
+        gm = result.gm
+    return results
+
+
+def run_pass(entry: Pass, gm: fx.GraphModule, cfg: EraseConfig, *,
+             results: Mapping[str, PassResult] | None = None, **given: Any) -> PassResult:
+    """One pass, checked, outside a pipeline (tests, `erase_fx.ddp`'s plan); ``results``: the
+    earlier passes' results it reads, by name."""
+    return _run_checked(entry, gm, PassContext(cfg, dict(results or {}), given))
+
+
+def _run_checked(entry: Pass, gm: fx.GraphModule, context: PassContext) -> PassResult:
+    result = entry.run(gm, context)
+    if not isinstance(result, PassResult):
+        raise GraphInvariantError(entry.name, f"the pass returned a {type(result).__name__}, "
+                                  "not a PassResult")
+    entry.check(result, context)
+    return result
+
+
+# -- the entries --------------------------------------------------------------
+
+def _find_blocks(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return find_stop_gradient_blocks(gm, context.cfg,
+                                     num_fwd_outputs=context.given["num_fwd_outputs"],
+                                     primal_names=context.given.get("primal_names", ()))
+
+
+def _check_blocks(result: PassResult, context: PassContext) -> None:
+    check_block_analysis(result.gm, result.artifact)
+
+
+def _found_blocks(context: PassContext) -> bool:
+    analysis: BlockAnalysis = context.artifact(FIND_STOP_GRADIENT_BLOCKS.name)
+    return bool(analysis.blocks)
+
+
+def _schedule(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return schedule_early_backward(gm, context.cfg,
+                                   context.artifact(FIND_STOP_GRADIENT_BLOCKS.name))
+
+
+def _check_schedule(result: PassResult, context: PassContext) -> None:
+    check_early_schedule(result.gm, context.artifact(FIND_STOP_GRADIENT_BLOCKS.name))
+
+
+def _partition(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    given = context.given
+    return partition_joint_graph(gm, context.cfg, given["joint_inputs"],
+                                 num_fwd_outputs=given["num_fwd_outputs"],
+                                 **given.get("partition_kwargs", {}))
+
+
+def _check_partition(result: PassResult, context: PassContext) -> None:
+    check_partition(result.artifact.bw)
+
+
+def _assign_streams(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return assign_streams(gm, context.cfg)
+
+
+def _check_streams(result: PassResult, context: PassContext) -> None:
+    check_stream_assignment(result.gm)
+
+
+def _split_segments(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    # NB: split_segments returns its segments as a field of SegmentedForward;
+    # they are attached as its artifact here until split_segments.py does it.
+    segmented = split_segments(gm, context.cfg)
+    return dataclasses.replace(segmented, artifact=Segments(segmented.segments))
+
+
+def _check_segments(result: PassResult, context: PassContext) -> None:
+    check_segments(result)
+
+
+def _defer_grad_scaling(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return defer_grad_scaling(gm, context.cfg)
+
+
+def _check_deferred(result: PassResult, context: PassContext) -> None:
+    check_deferred_scaling(result)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """split_segments' artifact: the segments of the split module, in launch order."""
+
+    segments: tuple[Segment, ...]
+
+    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
+        files = [DumpFile(".py", "the split module: one call per segment, in launch order",
+                          graph_text(gm))]
+        for segment in self.segments:
+            files.append(DumpFile(f".{segment.name}.py",
+                                  f"segment {segment.name} of the split module",
+                                  graph_text(getattr(gm, segment.name))))
+        files.append(DumpFile(".segments.json", "the segments, as data", json.dumps(
+            [dataclasses.asdict(s) for s in self.segments], indent=2) + "\n"))
+        return tuple(files)
+
+
+# NB: assign_streams and split_segments still call their checks themselves
+# too; the driver's check is the one the pipeline relies on.
+FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", _find_blocks, _check_blocks)
+SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", _schedule, _check_schedule,
+                               runs_if=_found_blocks)
+PARTITION_JOINT_GRAPH = Pass("partition_joint_graph", _partition, _check_partition)
+ASSIGN_STREAMS = Pass("assign_streams", _assign_streams, _check_streams)
+SPLIT_SEGMENTS = Pass("split_segments", _split_segments, _check_segments)
+DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_deferred)
+
+#: On AOT's joint graph (after Inductor's joint-graph passes, with Inductor
+#: inside). The scheduling and the partition run only when the analysis found
+#: an early block; the caller then partitions with the stock partitioner.
+JOINT_PASSES: tuple[Pass, ...] = (
+    FIND_STOP_GRADIENT_BLOCKS, SCHEDULE_EARLY_BACKWARD, PARTITION_JOINT_GRAPH)
+#: On the forward AOT hands over, when it holds early nodes; assign_streams runs after the
+#: stock partitioner, whose CSE can merge a block's node with a forward node.
+FORWARD_PASSES: tuple[Pass, ...] = (ASSIGN_STREAMS, SPLIT_SEGMENTS)
+#: On the backward, at the first ``.backward()``, when the graph has early blocks.
+BACKWARD_PASSES: tuple[Pass, ...] = (DEFER_GRAD_SCALING,)

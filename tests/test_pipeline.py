@@ -1,0 +1,163 @@
+"""The pass lists and their driver: what compilation runs, and the contract every pass keeps."""
+import json
+
+import pytest
+import torch
+
+import erase_fx.compilation as compilation
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes import (
+    BACKWARD_PASSES,
+    FORWARD_PASSES,
+    JOINT_PASSES,
+    DumpFile,
+    Pass,
+    PassResult,
+    pipeline,
+    run_passes,
+)
+from graphs import Chain, TwoBlockOneLoss, chain_inputs, trace_joint, two_block_inputs
+
+CFG = EraseConfig(inner="aot_eager")
+LISTS = {"joint": JOINT_PASSES, "forward": FORWARD_PASSES, "backward": BACKWARD_PASSES}
+
+
+def names(passes):
+    return [entry.name for entry in passes]
+
+
+@pytest.fixture
+def driver_calls(monkeypatch):
+    """Each `run_passes` call compilation makes: (the list it ran, the names of its results)."""
+    calls = []
+    real = compilation.run_passes
+
+    def recording(passes, *args, **kwargs):
+        results = real(passes, *args, **kwargs)
+        calls.append((passes, list(results)))
+        return results
+
+    monkeypatch.setattr(compilation, "run_passes", recording)
+    return calls
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_compilation_runs_the_declared_lists_whole_for_a_graph_with_early_blocks(
+        driver_calls, tmp_path, inner):
+    compiled = torch.compile(Chain(3), backend="erase",
+                             options={"inner": inner, "on_error": "raise",
+                                      "dump_dir": str(tmp_path)})
+    compiled(*chain_inputs()).backward()
+    assert [passes for passes, _ in driver_calls] == [JOINT_PASSES, FORWARD_PASSES,
+                                                      BACKWARD_PASSES]
+    assert all(passes is declared for (passes, _), declared in zip(driver_calls, LISTS.values()))
+    assert [ran for _, ran in driver_calls] == [names(p) for p in LISTS.values()]
+    # the instruments saw each pass the driver ran, in order
+    (graph,) = list(tmp_path.iterdir())
+    timed = [t["pass"] for t in json.loads((graph / "timings.json").read_text())["passes"]]
+    assert timed == names(JOINT_PASSES + FORWARD_PASSES + BACKWARD_PASSES)
+
+
+def test_without_an_early_block_the_joint_list_stops_after_the_analysis(driver_calls):
+    compiled = torch.compile(TwoBlockOneLoss(), backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    compiled(*two_block_inputs()).backward()
+    assert driver_calls == [(JOINT_PASSES, ["find_stop_gradient_blocks"])]
+
+
+def run_every_list(model, inputs, runner=None):
+    """The three lists over one model's joint graph, forward and backward: results by list."""
+    joint = trace_joint(model, *inputs)
+    results = {"joint": run_passes(
+        JOINT_PASSES, joint.gm, CFG, runner=runner, num_fwd_outputs=joint.num_fwd_outputs,
+        joint_inputs=joint.joint_inputs, partition_kwargs=joint.kwargs)}
+    partition = results["joint"]["partition_joint_graph"].artifact
+    results["forward"] = run_passes(FORWARD_PASSES, partition.fw, CFG, runner=runner)
+    results["backward"] = run_passes(BACKWARD_PASSES, partition.bw, CFG, runner=runner)
+    return results
+
+
+class RecordingRunner:
+    def __init__(self):
+        self.ran = []
+
+    def run(self, name, fn, *args):
+        result = fn(*args)
+        self.ran.append((name, result))
+        return result
+
+
+def test_every_pass_in_the_lists_returns_a_pass_result_that_renders_its_dump():
+    runner = RecordingRunner()
+    results = run_every_list(Chain(3), chain_inputs(), runner)
+    for list_name, passes in LISTS.items():
+        assert list(results[list_name]) == names(passes)
+    assert [name for name, _ in runner.ran] == names(
+        JOINT_PASSES + FORWARD_PASSES + BACKWARD_PASSES)
+    for name, result in runner.ran:
+        assert isinstance(result, PassResult), name
+        assert isinstance(result.gm, torch.fx.GraphModule), name
+        files = result.render()
+        assert files and all(isinstance(f, DumpFile) for f in files), name
+        assert len({f.suffix for f in files}) == len(files), name
+        assert all(f.suffix.startswith(".") and f.part and f.text.endswith("\n")
+                   for f in files), name
+    # every structural pass made something new; the analysis hands its input on
+    ran = dict(runner.ran)
+    assert not ran["find_stop_gradient_blocks"].modified
+    assert all(ran[n].modified for n in ran if n != "find_stop_gradient_blocks")
+
+
+def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
+    seen = []
+
+    class Spy(RecordingRunner):
+        def run(self, name, fn, entry, gm, context):
+            seen.append((name, gm))
+            return super().run(name, fn, entry, gm, context)
+
+    results = run_every_list(Chain(3), chain_inputs(), Spy())
+    joint = results["joint"]
+    assert seen[1] == ("schedule_early_backward", joint["find_stop_gradient_blocks"].gm)
+    assert seen[2] == ("partition_joint_graph", joint["schedule_early_backward"].gm)
+    assert seen[4] == ("split_segments", results["forward"]["assign_streams"].gm)
+
+
+CHECKS = [
+    ("check_block_analysis", "joint"), ("check_early_schedule", "joint"),
+    ("check_partition", "joint"), ("check_stream_assignment", "forward"),
+    ("check_segments", "forward"), ("check_deferred_scaling", "backward"),
+]
+
+
+class BrokenInvariant(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("check, list_name", CHECKS, ids=[c for c, _ in CHECKS])
+def test_the_driver_runs_each_passs_check(monkeypatch, check, list_name):
+    def fail(*args):
+        raise BrokenInvariant(check)
+
+    monkeypatch.setattr(pipeline, check, fail)
+    with pytest.raises(BrokenInvariant, match=check):
+        run_every_list(Chain(3), chain_inputs())
+
+
+def test_a_pass_that_returns_something_else_than_a_pass_result_is_refused():
+    odd = Pass("odd", lambda gm, context: (gm, True), lambda result, context: None)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(GraphInvariantError, match="odd.*not a PassResult"):
+        run_passes((odd,), gm, CFG)
+
+
+def test_after_callbacks_run_before_the_next_pass():
+    order = []
+    first = Pass("first", lambda gm, c: PassResult(gm, False), lambda r, c: None)
+    second = Pass("second", lambda gm, c: order.append("second") or PassResult(gm, False),
+                  lambda r, c: None)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    results = run_passes((first, second), gm, CFG,
+                         after={"first": lambda result: order.append(("after", result))})
+    assert order == [("after", results["first"]), "second"]
