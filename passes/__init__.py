@@ -43,14 +43,13 @@ from erase_fx.passes.partition_joint_graph import (
 from erase_fx.passes.pass_result import Artifact, DumpFile, PassResult
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
 from erase_fx.passes.split_at_sums import Meeting, TermSplit, split_at_sums
-from erase_fx.passes.split_segments import Segment, SegmentedForward, split_segments
+from erase_fx.passes.split_segments import Segment, SegmentedForward, Segments, split_segments
 from erase_fx.passes.pipeline import (
     BACKWARD_PASSES,
     FORWARD_PASSES,
     JOINT_PASSES,
     Pass,
     PassContext,
-    Segments,
     run_pass,
     run_passes,
 )

@@ -28,7 +28,6 @@ test breaks a stage with ``monkeypatch.setattr(pipeline, "split_segments", ...)`
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -45,9 +44,9 @@ from erase_fx.passes.find_stop_gradient_blocks import (
     find_stop_gradient_blocks,
 )
 from erase_fx.passes.partition_joint_graph import check_partition, partition_joint_graph
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import PassResult
 from erase_fx.passes.schedule_early_backward import check_early_schedule, schedule_early_backward
-from erase_fx.passes.split_segments import Segment, check_segments, split_segments
+from erase_fx.passes.split_segments import check_segments, split_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +179,7 @@ def _check_streams(result: PassResult, context: PassContext) -> None:
 
 
 def _split_segments(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    # NB: split_segments returns its segments as a field of SegmentedForward;
-    # they are attached as its artifact here until split_segments.py does it.
-    segmented = split_segments(gm, context.cfg)
-    return dataclasses.replace(segmented, artifact=Segments(segmented.segments))
+    return split_segments(gm, context.cfg)
 
 
 def _check_segments(result: PassResult, context: PassContext) -> None:
@@ -198,26 +194,6 @@ def _check_deferred(result: PassResult, context: PassContext) -> None:
     check_deferred_scaling(result)
 
 
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """split_segments' artifact: the segments of the split module, in launch order."""
-
-    segments: tuple[Segment, ...]
-
-    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
-        files = [DumpFile(".py", "the split module: one call per segment, in launch order",
-                          graph_text(gm))]
-        for segment in self.segments:
-            files.append(DumpFile(f".{segment.name}.py",
-                                  f"segment {segment.name} of the split module",
-                                  graph_text(getattr(gm, segment.name))))
-        files.append(DumpFile(".segments.json", "the segments, as data", json.dumps(
-            [dataclasses.asdict(s) for s in self.segments], indent=2) + "\n"))
-        return tuple(files)
-
-
-# NB: assign_streams and split_segments still call their checks themselves
-# too; the driver's check is the one the pipeline relies on.
 FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", _find_blocks, _check_blocks)
 SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", _schedule, _check_schedule,
                                runs_if=_found_blocks)

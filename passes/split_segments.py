@@ -27,14 +27,16 @@ launch point keeps one segment per block (fewer compiled calls) and is legal
 because a block reads nothing of the main stream after its launch point, and
 the main stream reads a block only after the join (assign_streams).
 
-Invariants out (`check_segments`): a new split module, computing the same
-outputs as the input; segments in topological order; every segment runs on
-one stream and returns a tuple; a segment's ``waits_for`` names exactly the
-earlier segments on other streams whose outputs it reads.
+Invariants out (`check_segments`, which `passes/pipeline.py` runs): a new
+split module, computing the same outputs as the input; segments in topological
+order; every segment runs on one stream and returns a tuple; a segment's
+``waits_for`` names exactly the earlier segments on other streams whose
+outputs it reads.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 
 import torch.fx as fx
@@ -44,7 +46,7 @@ from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import rebuild_in_order
 from erase_fx.passes.node_meta import MAIN_STREAM, get_meta
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "split_segments"
 
@@ -66,6 +68,25 @@ class Segment:
     block: int | None
     nodes: tuple[str, ...]
     waits_for: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The artifact of split_segments: the segments of the split module, in launch order; renders
+    the split module, each segment and the segments as data."""
+
+    segments: tuple[Segment, ...]
+
+    def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
+        files = [DumpFile(".py", "the split module: one call per segment, in launch order",
+                          graph_text(gm))]
+        for segment in self.segments:
+            files.append(DumpFile(f".{segment.name}.py",
+                                  f"segment {segment.name} of the split module",
+                                  graph_text(getattr(gm, segment.name))))
+        files.append(DumpFile(".segments.json", "the segments, as data", json.dumps(
+            [dataclasses.asdict(s) for s in self.segments], indent=2) + "\n"))
+        return tuple(files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +132,8 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
     segments = _name_and_box_segments(split, segment_of_key)
     split.graph.lint()
     split.recompile()
-    result = SegmentedForward(split, modified=True, segments=segments)
-    check_segments(result)
-    return result
+    return SegmentedForward(split, modified=True, artifact=Segments(segments),
+                            segments=segments)
 
 
 def pieces_of_side_nodes(nodes: list[fx.Node]) -> dict[fx.Node, int]:
