@@ -304,24 +304,40 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--steps-per-trial", type=int, default=20)
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
-    print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
-    failures = 0
-
     parts = set(args.parts.split(","))
     unknown = parts - {"parity", "stress", "timing"}
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
+    try:
+        runs = stress_runs(args.release_lags)
+    except ValueError as error:
+        parser.error(f"--release-lags: {error}")
+    device = torch.device("cuda")
+    print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
+    failures = 0
     parity_cfg = ChainConfig.parse(args.parity_config)
     if "parity" in parts:
         failures += parity_checks(parity_cfg, args.parity_steps, device)
     if "stress" in parts:
-        runs = [(False, None) if lag == "uncaptured" else (True, None if lag == "none" else int(lag))
-                for lag in args.release_lags.split(",")]
         failures += stress_checks(parity_cfg, args.stress_steps, device, runs)
     if "timing" in parts:
-        timing_table(args)
+        timing_table(args, device)
     return 1 if failures else 0
+
+
+def stress_runs(text: str) -> list[tuple[bool, int | None]]:
+    """``--release-lags`` read: a (cudagraphs, release_lag) pair per comma-separated item."""
+    runs = []
+    for item in text.split(","):
+        if item == "uncaptured":
+            runs.append((False, None))
+        elif item == "none":
+            runs.append((True, None))
+        elif item.isdigit() and int(item) >= 1:
+            runs.append((True, int(item)))
+        else:
+            raise ValueError(f"{item!r} is not uncaptured, none or an integer >= 1")
+    return runs
 
 
 def parity_checks(parity_cfg, parity_steps, device) -> int:
@@ -378,9 +394,10 @@ def parity_checks(parity_cfg, parity_steps, device) -> int:
 
 
 def stress_checks(parity_cfg, steps, device, runs) -> int:
-    """The race stress, once per (cudagraphs, release_lag) of ``runs``: the count that raced."""
+    """The race stress, once per (cudagraphs, release_lag) of ``runs`` (none with ``steps``
+    0): the count that raced."""
     failures = 0
-    for graphs, lag in runs:
+    for graphs, lag in runs if steps else ():
         differing = stress(parity_cfg, steps, device, graphs, lag)
         failures += differing > 0
         print(f"stress {parity_cfg} cudagraphs={graphs} release_lag={lag}: {steps} steps, "
@@ -389,7 +406,7 @@ def stress_checks(parity_cfg, steps, device, runs) -> int:
     return failures
 
 
-def timing_table(args) -> None:
+def timing_table(args, device) -> None:
     rows = []
     for text in args.configs.split(","):
         rows += timing(ChainConfig.parse(text), device, args.trials, args.steps_per_trial,

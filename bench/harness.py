@@ -129,7 +129,7 @@ class Variant:
         if control is not None:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
-                                 f"/streams=N) apply to erase variants only")
+                                 f"/streams=N, /release-lag=N) apply to erase variants only")
             if control not in CONTROLS and not re.fullmatch(r"(streams|release-lag)=[1-9]\d*",
                                                             control):
                 raise ValueError(f"variant {name!r}: control {control!r} is not one of "

@@ -1,4 +1,5 @@
 """bench.check_cuda judges each config's expected early work, found by the CPU analysis."""
+import pytest
 from bench.check_cuda import expected_early_work
 from bench.models import ChainConfig
 
@@ -12,3 +13,22 @@ def test_towers_expect_parts_and_a_top_head_expects_pieces():
     assert blocks >= 1 and parts >= 1
     blocks, parts, pieces = expected_early_work(ChainConfig.parse("mlp-towers-top:8:16:32:3"))
     assert blocks >= 1 and pieces > 1
+
+
+def test_stress_runs_read_each_release_lag_and_refuse_the_rest():
+    from bench.check_cuda import stress_runs
+
+    assert stress_runs("uncaptured,none,2") == [(False, None), (True, None), (True, 2)]
+    for bad in ("0", "-1", "lag", ""):
+        with pytest.raises(ValueError, match="is not uncaptured, none or an integer >= 1"):
+            stress_runs(bad)
+
+
+def test_bad_parts_or_lags_are_refused_before_the_gpu_is_touched(capsys):
+    from bench.check_cuda import main
+
+    for argv in (["--parts", "parity,bogus"], ["--release-lags", "none,0"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+    assert "--release-lags: '0' is not" in capsys.readouterr().err
