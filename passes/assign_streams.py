@@ -80,7 +80,7 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
             continue
         block = owner[node]
         if block is None:
-            late = any(owner[a] is not None or a in after_join for a in node.all_input_nodes)
+            late = _reads_a_block(node, owner, after_join)
             if late:
                 after_join.add(node)
             set_meta(node, NodeMeta(Role.FORWARD, stream=MAIN_STREAM, after_join=late))
@@ -166,9 +166,14 @@ def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
         if (node.op == "call_function" and owner[node] is None and not node.is_impure()
                 and node in feeds_output_only):
             owner[node] = _sole_block_read(node, owner, late, position, launch_point)
-        if owner[node] is None and any(owner[a] is not None or a in late
-                                       for a in node.all_input_nodes):
+        if owner[node] is None and _reads_a_block(node, owner, late):
             late.add(node)
+
+
+def _reads_a_block(node: fx.Node, owner: dict, after_join: set[fx.Node]) -> bool:
+    """A main node that reads a block's value, or a node that runs after the join, runs after
+    the join."""
+    return any(owner[a] is not None or a in after_join for a in node.all_input_nodes)
 
 
 def _sole_block_read(node: fx.Node, owner: dict, late: set[fx.Node], position: dict,
