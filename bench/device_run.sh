@@ -16,12 +16,22 @@
 #                                      and bench.held_to_join on CUDA (~8 min)
 #   bash bench/device_run.sh vision-a  torchvision ResNet-18, DGL (detached stages) and as shipped:
 #                                      the step API and the hand capture of inductor and erase,
-#                                      erase's own graphs, inductor, a one-stream control (~8 min;
-#                                      each model compiles for tens of seconds per variant)
+#                                      reduce-overhead and erase's own graphs, inductor and erase
+#                                      without graphs, a one-stream control (~9 min, grown from ~8:
+#                                      9 rows a config where 7 took ~8 min; each model compiles for
+#                                      tens of seconds per variant, so the 450 s budget may drop
+#                                      the second config's last rows)
 #   bash bench/device_run.sh vision-b  the same on MobileNetV3-small (DGL) and a ViT (DGL: detached
-#                                      pairs of blocks with token heads) (~8 min)
-#   bash bench/device_run.sh vision-c  the same on GoogLeNet with its aux heads (~5 min)
-#   bash bench/device_run.sh vision-d  the same on EfficientNet-B0 (DGL, stochastic depth) (~5 min)
+#                                      pairs of blocks with token heads) (~9 min, grown from ~8, the
+#                                      budget as in vision-a)
+#   bash bench/device_run.sh vision-c  the same on GoogLeNet with its aux heads (~6-7 min, was ~5)
+#   bash bench/device_run.sh vision-d  the same on EfficientNet-B0 (DGL, stochastic depth) (~6-7 min,
+#                                      was ~5)
+#   bash bench/device_run.sh vision-e  issue 13's quick before/after in one call: GoogLeNet with its
+#                                      aux heads and MobileNetV3-small (DGL), the step API and
+#                                      reduce-overhead against erase, a one-stream control, 5 trials
+#                                      (~7 min, estimated, not yet timed; keep it out of the merge
+#                                      below: vision-b and vision-c measure the same rows)
 #   bash bench/device_run.sh models-a  check_models: the dropout GPT and CTR models, DGL ResNet-18
 #                                      and MobileNetV3 (~8 min)
 #   bash bench/device_run.sh models-b  check_models: GoogLeNet with its aux heads (~6 min)
@@ -51,9 +61,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|vision-a|vision-b|vision-c|vision-d) ;;
+  vision-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
-  *) sed -n 2,48p "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
 OUT=${OUT:-bench/results/device}
 mkdir -p "$OUT"
@@ -67,9 +78,12 @@ STEP=inductor+graph,inductor+step,erase+step-graph,erase+step
 ADAM=inductor+graph+adam,inductor+step+adam,erase+step+adam
 MEMORY=inductor,erase,inductor+graph,erase+step-graph,inductor+step,erase+step,reduce-overhead
 MEMORY+=,erase+graphs
-# NB: the pairs judged first: a budget that runs out drops the controls
-VISION=inductor+step,erase+step,inductor+graph,erase+step-graph,erase+graphs,inductor
-VISION+=,erase+step-graph/one-stream
+# NB: the judged pairs first (erase+step/inductor+step, erase+step-graph/inductor+graph,
+# erase+graphs/reduce-overhead, erase/inductor): a budget that runs out drops the last variants
+VISION=inductor+step,erase+step,inductor+graph,erase+step-graph,reduce-overhead,erase+graphs
+VISION+=,inductor,erase,erase+step-graph/one-stream
+# NB: issue 13's quick before/after (vision-e): the step API and erase's own graphs against stock
+ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-stream
 # run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
 run() {
   local name=$1 configs=$2 variants=$3
@@ -115,6 +129,9 @@ case "$1" in
     run vision-c tv-googlenet-aux:128:64 "$VISION" --sweep-configs '' ;;
   vision-d)
     run vision-d tv-efficientnet-dgl:128:64 "$VISION" --sweep-configs '' ;;
+  vision-e)
+    run vision-e tv-googlenet-aux:128:64,tv-mobilenet-dgl:256:64 "$ISSUE13" --sweep-configs '' \
+      --trials 5 --steps-per-trial 20 ;;
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
       --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;

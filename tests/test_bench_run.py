@@ -215,3 +215,133 @@ def test_towers_under_a_top_head_run_early_in_pieces():
     (report,) = reports
     assert [b.pieces for b in report.blocks] == [4]  # three towers' parts, then the front
     assert [r.params for r in report.rejected] == [("top.weight", "top.bias")]
+
+
+# -- issue 13: never slower than stock, within 1.02x where nothing runs early ------------
+
+PLAIN, DGL, GOOGLENET = "tv-resnet18:256:32", "tv-mobilenet-dgl:256:64", "tv-googlenet-aux:128:64"
+
+
+def verdicts(rows, variant, config, vs):
+    """{limit: (met, why)} of the time targets of ``variant`` against ``vs`` on ``config``."""
+    return {t["limit"]: (t["met"], t["why"]) for t in run.judge_targets(rows)
+            if (t["variant"], t["config"], t["vs"], t["measure"]) == (variant, config, vs, "time")}
+
+
+def test_a_config_without_early_blocks_is_held_to_1_02_and_one_with_them_to_1_00():
+    rows = [row(PLAIN, "inductor+step", 10.0), row(PLAIN, "erase+step", 10.1, early_blocks=0),
+            row(DGL, "inductor+step", 10.0), row(DGL, "erase+step", 10.1, early_blocks=4)]
+    plain = verdicts(rows, "erase+step", PLAIN, "inductor+step")
+    assert list(plain) == [1.02] and plain[1.02][0]  # 1.01 <= 1.02: met
+    assert "no early block" in plain[1.02][1]
+    early = verdicts(rows, "erase+step", DGL, "inductor+step")
+    assert list(early) == [1.00] and not early[1.00][0]  # 1.01 > 1.00: missed
+    assert early[1.00][1] == "4 early block(s): never slower"
+    # a row that does not record its early blocks (an older results file) gets the strict limit
+    older = [dict(r) for r in rows]
+    for r in older:
+        r.pop("early_blocks", None)
+    assert verdicts(older, "erase+step", PLAIN, "inductor+step") == {
+        1.00: (False, "early blocks not recorded: never slower")}
+    # the verdicts say which early blocks they were judged on
+    assert {t["config"]: t["early_blocks"] for t in run.judge_targets(rows)
+            if t["vs"] == "inductor+step"} == {PLAIN: 0, DGL: 4}
+
+
+def test_the_detached_resnet_is_held_to_0_78_under_the_step_api():
+    config = "tv-resnet18-dgl:256:32"
+    rows = [row(config, "inductor+step", 10.0), row(config, "erase+step", 8.0, early_blocks=3)]
+    found = verdicts(rows, "erase+step", config, "inductor+step")
+    assert {limit: met for limit, (met, _) in found.items()} == {0.78: False, 1.00: True}
+    rows[1]["ms_median"] = 7.8
+    assert all(met for met, _ in verdicts(rows, "erase+step", config, "inductor+step").values())
+
+
+def test_erase_against_inductor_and_its_graphs_against_reduce_overhead_are_judged():
+    rows = [row(PLAIN, "inductor", 10.0), row(PLAIN, "erase", 10.15, early_blocks=0),
+            row(PLAIN, "reduce-overhead", 2.0), row(PLAIN, "erase+graphs", 2.06, early_blocks=0),
+            row(GOOGLENET, "inductor", 10.0), row(GOOGLENET, "erase", 9.9, early_blocks=2),
+            row(GOOGLENET, "reduce-overhead", 2.0),
+            row(GOOGLENET, "erase+graphs", 2.02, early_blocks=2),
+            row(SMALL, "inductor", 10.0), row(SMALL, "erase", 9.0, early_blocks=3)]
+    assert verdicts(rows, "erase", PLAIN, "inductor") == {
+        1.02: (True, "no early block: stock Inductor, within 1.02x")}  # 1.015
+    assert verdicts(rows, "erase+graphs", PLAIN, "reduce-overhead") == {
+        1.02: (False, "no early block: stock Inductor, within 1.02x")}  # 1.03
+    assert verdicts(rows, "erase", GOOGLENET, "inductor") == {
+        1.00: (True, "2 early block(s): never slower")}  # 0.99
+    assert verdicts(rows, "erase+graphs", GOOGLENET, "reduce-overhead") == {
+        1.00: (False, "2 early block(s): never slower")}  # 1.01
+    assert verdicts(rows, "erase", SMALL, "inductor") == {1.00: (True, "3 early block(s): "
+                                                                 "never slower")}
+    # only where both rows exist: no reduce-overhead row, no verdict
+    assert verdicts(rows[:2] + rows[3:4], "erase+graphs", PLAIN, "reduce-overhead") == {}
+    # the small chains keep their own, stricter, graph targets
+    small = [row(SMALL, "reduce-overhead", 2.0), row(SMALL, "erase+graphs", 1.6, early_blocks=3)]
+    assert verdicts(small, "erase+graphs", SMALL, "reduce-overhead") == {
+        0.85: (True, "small chain")}
+
+
+def test_the_targets_table_says_which_limit_applies_and_why():
+    rows = [row(PLAIN, "inductor+step", 10.0), row(PLAIN, "erase+step", 10.1, early_blocks=0,
+                                                     erase_graphs=1, erase_fallback=None),
+            row(DGL, "inductor+step", 10.0), row(DGL, "erase+step", 10.1, early_blocks=4,
+                                                 erase_graphs=2, erase_fallback=None)]
+    table = run.markdown(META, rows, run.judge_targets(rows))
+    assert "| variant | config | against | measure | ratio | target | | why |" in table
+    assert (f"| erase+step | {PLAIN} | inductor+step | time | 1.01 | <= 1.02 | met | "
+            "no early block: stock Inductor, within 1.02x |") in table
+    assert (f"| erase+step | {DGL} | inductor+step | time | 1.01 | <= 1.00 | MISSED | "
+            "4 early block(s): never slower |") in table
+    line = next(line for line in table.splitlines() if f"| {DGL} | erase+step |" in line)
+    assert "early blocks 4 in 2 graph(s)" in line
+    assert all(line.count("|") == 9 for line in table.splitlines()
+               if line.startswith("| erase+step |"))
+
+
+def test_a_row_records_the_early_blocks_of_its_compiled_program():
+    import erase_fx
+    from bench.harness import Variant
+    from bench.models import ChainConfig, DetachedChain, make_inputs
+
+    cfg = ChainConfig.parse("mlp:8:16:32:3")
+    reports = erase_fx.explain(DetachedChain(cfg), *make_inputs(cfg, torch.device("cpu")))
+    erase_step = Variant.parse("erase+step")
+    assert run.early_info(erase_step, reports) == {
+        "early_blocks": 2, "erase_graphs": 1, "erase_fallback": None}  # the last block stays
+    # a graph compiled again counts its blocks once; a graph on the stock path has none
+    again = run.early_info(erase_step, [*reports, *reports])
+    assert (again["early_blocks"], again["erase_graphs"]) == (2, 2)
+    fell_back = run.early_info(erase_step, [reports[0].with_fallback("compile failed: no")])
+    assert fell_back == {"early_blocks": 0, "erase_graphs": 1,
+                         "erase_fallback": "compile failed: no"}
+    assert run.early_info(Variant.parse("inductor+step"), reports) == {}
+
+
+def test_device_run_runs_the_judged_vision_pairs_first_and_has_the_issue_13_part():
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(run.__file__).with_name("device_run.sh")
+    text = script.read_text()
+
+    def listed(name):
+        return ",".join(re.findall(rf"^{name}\+?=,?(\S+)$", text, re.M)).split(",")
+
+    vision = listed("VISION")
+    pairs = [("inductor+step", "erase+step"), ("inductor+graph", "erase+step-graph"),
+             ("reduce-overhead", "erase+graphs"), ("inductor", "erase")]
+    assert vision[:8] == [name for pair in pairs for name in pair]
+    assert vision[8:] == ["erase+step-graph/one-stream"]
+    assert listed("ISSUE13") == ["inductor+step", "erase+step", "reduce-overhead",
+                                 "erase+graphs", "erase+step/one-stream"]
+    part = re.search(r"^  vision-e\)\n(.*?);;", text, re.M | re.S).group(1)
+    assert "tv-googlenet-aux:128:64,tv-mobilenet-dgl:256:64" in part and '"$ISSUE13"' in part
+    assert "--trials 5 --steps-per-trial 20" in part
+    for name in (*vision, *listed("ISSUE13")):
+        run.Variant.parse(name)
+    # the usage text is the whole header, the new part included
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "vision-e" in usage.stdout
+    assert usage.stdout.rstrip().endswith("python -m bench.paper.report --results-dir $OUT/paper")
