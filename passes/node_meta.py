@@ -48,6 +48,12 @@ class NodeMeta:
         piece: for a block cloned in pieces (`Component.pieces`), which piece
             the node belongs to; each piece launches at its own ready point,
             on the block's stream, after the pieces before it.
+        stage: a forward node of the block's own stage (``block`` set): the
+            forward whose activations the block's early backward reads, run
+            on the block's side stream before its head
+            (``EraseConfig.stages_on_side``), so those activations are made,
+            read and freed on one stream. Other streams read only the
+            stage's values they need (its output), once it has run.
     """
 
     role: Role
@@ -57,6 +63,7 @@ class NodeMeta:
     waits_for: tuple[str, ...] = ()
     after_join: bool = False
     piece: int | None = None
+    stage: bool = False
 
 
 def get_meta(node: fx.Node) -> NodeMeta | None:

@@ -5,10 +5,12 @@ nodes on one stream that the emitter compiles as one unit, and returns the
 split module (torch's ``split_module``) whose top-level graph calls the
 segments in launch order, plus a `Segment` record for each.
 
-Order: main-stream nodes keep their order; each block's nodes (its head,
-local loss and early backward) form one segment, launched right after the
-main segment that ends with the block's launch point (the last main node it
-reads); a block in pieces (``NodeMeta.piece``) launches a segment per piece,
+Order: main-stream nodes keep their order, and so do the nodes of blocks'
+stages (`NodeMeta.stage`: the forward itself, on a block's side stream),
+each stage a segment of its own; each block's other nodes (its head, local
+loss and early backward) form one segment, launched right after the
+segment that ends with the block's launch point (the last main or stage
+node it reads); a block in pieces (``NodeMeta.piece``) launches a segment per piece,
 each at its own launch point and never before the piece before it (one
 stream runs them in order); main nodes that run after the join (the loss
 sum) form the last segment. So the main stream is cut only where a block becomes ready::
@@ -21,11 +23,21 @@ sum) form the last segment. So the main stream is cut only where a block becomes
     seg_5_stream_0_after_join   waits for the side streams; the loss sum
     output                      join: the main stream waits for every side stream
 
+With the stages on side streams (``EraseConfig.stages_on_side``)::
+
+    seg_0_block_0_stage_stream_1    stage 0 forward                     (side stream 1)
+    seg_1_block_0_stream_1          head 0, loss 0, block 0's backward  (side stream 1)
+    seg_2_block_1_stage_stream_2    stage 1 forward, after seg_0's event
+    seg_3_block_1_stream_2          head 1, loss 1, block 1's backward
+    seg_4_stream_0                  the last stage, after seg_2's event
+    seg_5_stream_0_after_join       the loss sum
+
 Why a stable reorder first: the stock partitioner's CSE or min-cut may leave
 a block's nodes interleaved with forward nodes; moving them next to their
 launch point keeps one segment per block (fewer compiled calls) and is legal
-because a block reads nothing of the main stream after its launch point, and
-the main stream reads a block only after the join (assign_streams).
+because a block reads nothing of the main stream (or of a stage) after its
+launch point, and the main stream reads a block only after the join
+(assign_streams).
 
 Invariants out (`check_segments`, which `passes/pipeline.py` runs): a new
 split module, computing the same outputs as the input; segments in topological
@@ -51,6 +63,13 @@ from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 PASS_NAME = "split_segments"
 
 
+def in_main_order(node: fx.Node) -> bool:
+    """Whether a node keeps its place in the forward's order: a main-stream node, or a node of a
+    block's stage (`NodeMeta.stage`: the forward itself, moved to the block's side stream)."""
+    meta = get_meta(node)
+    return meta.stream == MAIN_STREAM or meta.stage
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """One compiled unit of the forward.
@@ -58,9 +77,11 @@ class Segment:
     Attributes:
         name: the submodule's name in the split module (``seg_<k>_...``).
         stream: the stream it runs on (0 = main).
-        block: the early block it runs, or None for forward segments.
+        block: the early block it runs (or whose stage it runs), or None for forward
+            segments.
         nodes: names of the forward-graph nodes it computes.
         waits_for: names of earlier segments on other streams whose outputs it reads.
+        stage: it runs the block's own stage (`NodeMeta.stage`), not its head and backward.
     """
 
     name: str
@@ -68,6 +89,7 @@ class Segment:
     block: int | None
     nodes: tuple[str, ...]
     waits_for: tuple[str, ...]
+    stage: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +131,7 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
         pieced[block] = pieced.get(block, False) or piece > 0
 
     key_of: dict[str, str] = {}
-    segment_of_key: dict[str, tuple[int, int | None, bool, int | None]] = {}
+    segment_of_key: dict[str, tuple[int, int | None, bool, int | None, bool]] = {}
     index = -1
     previous = None
     for node in reordered.graph.nodes:
@@ -118,7 +140,7 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
         meta = get_meta(node)
         side = meta.stream != MAIN_STREAM
         group = (meta.stream, meta.block if side else None, meta.after_join,
-                 piece_of.get(node) if side and pieced.get(meta.block) else None)
+                 piece_of.get(node) if side and pieced.get(meta.block) else None, meta.stage)
         if group != previous:
             index += 1
             previous = group
@@ -144,7 +166,7 @@ def pieces_of_side_nodes(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     piece: dict[fx.Node, int | None] = {}
     for node in reversed(nodes):
         meta = get_meta(node)
-        if node.op == "output" or meta.stream == MAIN_STREAM:
+        if node.op == "output" or in_main_order(node):
             continue
         readers = [piece[u] for u in node.users if piece.get(u) is not None]
         piece[node] = meta.piece if meta.piece is not None else min(readers, default=None)
@@ -165,13 +187,13 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
     launch_after: dict[tuple[int, int], int] = {}
     for node in nodes:
         meta = get_meta(node)
-        if node.op == "output" or meta.stream == MAIN_STREAM:
+        if node.op == "output" or in_main_order(node):
             continue
         key = (meta.block, piece_of[node])
         block_nodes.setdefault(key, []).append(node)
         # NB: a block that reads only graph inputs launches before any forward node.
         main_inputs = [a for a in node.all_input_nodes
-                       if a.op != "placeholder" and get_meta(a).stream == MAIN_STREAM]
+                       if a.op != "placeholder" and in_main_order(a)]
         if any(get_meta(a).after_join for a in main_inputs):
             raise GraphInvariantError(PASS_NAME, "a side node reads an after-join value",
                                       node=node.name)
@@ -192,14 +214,14 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
     # NB: the elements of a multi-output op stay right after it, in its segment.
     elements: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
-        if _is_element(node) and get_meta(node).stream == MAIN_STREAM:
+        if _is_element(node) and in_main_order(node):
             elements.setdefault(node.args[0], []).append(node)
     after_join = []
     for node in nodes:
         if node.op in ("placeholder", "output"):
             continue
         meta = get_meta(node)
-        if meta.stream != MAIN_STREAM or (_is_element(node) and node.args[0] in elements):
+        if not in_main_order(node) or (_is_element(node) and node.args[0] in elements):
             continue
         here = [node, *elements.get(node, [])]
         if meta.after_join:
@@ -219,7 +241,8 @@ def _is_element(node: fx.Node) -> bool:
 
 
 def _name_and_box_segments(
-    split: fx.GraphModule, segment_of_key: dict[str, tuple[int, int | None, bool, int | None]]
+    split: fx.GraphModule,
+    segment_of_key: dict[str, tuple[int, int | None, bool, int | None, bool]],
 ) -> tuple[Segment, ...]:
     """Give segments greppable names and make each return a tuple."""
     graph = split.graph
@@ -227,9 +250,9 @@ def _name_and_box_segments(
     segments: list[Segment] = []
     for k, call in enumerate([n for n in graph.nodes if n.op == "call_module"]):
         key = str(call.target).removeprefix("submod_")
-        stream, block, after_join, piece = segment_of_key[key]
+        stream, block, after_join, piece, stage = segment_of_key[key]
         if block is not None:
-            part = f"_piece_{piece}" if piece is not None else ""
+            part = f"_piece_{piece}" if piece is not None else ("_stage" if stage else "")
             name = f"seg_{k}_block_{block}{part}_stream_{stream}"
         else:
             name = f"seg_{k}_stream_{stream}" + ("_after_join" if after_join else "")
@@ -249,6 +272,7 @@ def _name_and_box_segments(
             name=name,
             stream=stream,
             block=block,
+            stage=stage,
             nodes=tuple(n.name for n in sub.graph.nodes if n.op not in ("placeholder", "output")),
             waits_for=tuple(waits),
         ))

@@ -5,7 +5,7 @@ import torch
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
-from erase_fx.passes.assign_streams import check_stream_assignment
+from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
 from graphs import Chain, Stages, chain_inputs, targets
@@ -32,8 +32,10 @@ def test_blocks_go_round_robin_over_side_streams(streams, expected):
     assert streams_by_block(stages.assigned.gm) == expected
 
 
-def test_syncs_are_recorded_on_every_cross_stream_edge():
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_syncs_are_recorded_on_every_cross_stream_edge(stages_on_side):
+    stages = Stages(Chain(3), chain_inputs(),
+                    EraseConfig(inner="aot_eager", stages_on_side=stages_on_side))
     gm = stages.assigned.gm
     for node in gm.graph.nodes:
         meta = get_meta(node)
@@ -44,11 +46,13 @@ def test_syncs_are_recorded_on_every_cross_stream_edge():
         crossing = {a.name for a in node.all_input_nodes if get_meta(a).stream != meta.stream}
         assert set(meta.waits_for) == crossing
         if meta.stream == MAIN_STREAM and not meta.after_join:
-            assert meta.waits_for == ()  # the main stream never waits before the join
+            # before the join the main stream waits only for stages (their output)
+            assert all(get_meta(a).stage for a in node.all_input_nodes if a.name in meta.waits_for)
+            assert stages_on_side or meta.waits_for == ()
 
 
 def test_heads_and_local_losses_run_on_their_block_stream_and_the_sum_after_the_join():
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=False))
     gm = stages.assigned.gm
     side_forward = {}
     for node in gm.graph.nodes:
@@ -104,7 +108,8 @@ def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
     processing between heads. The tail of each early block's loss runs on the block's
     stream: the main stream reads only the scalar loss after the join, never a head's
     batch x classes activations (which would live until the end of the forward)."""
-    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor"), inner="inductor")
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor", stages_on_side=False),
+                    inner="inductor")
     gm = stages.assigned.gm
     crossing = []
     for node in gm.graph.nodes:
@@ -119,3 +124,77 @@ def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
     gathers = [n for n in gm.graph.nodes if n.target is aten.gather.default]
     assert len(gathers) == 4
     assert sorted(get_meta(n).stream for n in gathers) == [MAIN_STREAM, 1, 2, 3]
+
+
+def _stage_and_block_nodes(gm):
+    """Per block: its stage's nodes and its other nodes (head, loss, early backward)."""
+    stage, rest = {}, {}
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if node.op != "output" and meta.block is not None:
+            (stage if meta.stage else rest).setdefault(meta.block, []).append(node)
+    return stage, rest
+
+
+def test_each_early_blocks_stage_runs_on_its_stream_so_its_activations_never_cross():
+    """With `stages_on_side` block b's stage runs on b's side stream before its
+    head: what its early backward reads is made on that stream, and other streams read only
+    the stage's output (the next stage's input) and scalars."""
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=True))
+    gm = stages.assigned.gm
+    stage, rest = _stage_and_block_nodes(gm)
+    assert set(stage) == set(rest) == {0, 1}
+    for block, nodes in stage.items():
+        assert {get_meta(n).stream for n in nodes} == {stream_of_block(block, stages.cfg)}
+        assert "native_layer_norm" in targets(gm, [n.name for n in nodes])
+        for node in rest[block]:
+            for arg in node.all_input_nodes:
+                if arg.op not in ("placeholder", "get_attr"):
+                    crosses = get_meta(arg).stream != get_meta(node).stream
+                    assert not crosses or arg.meta["val"].dim() == 0, (node.name, arg.name)
+        # the stage's values other streams read: its output (a batch x d tensor) and scalars
+        exported = {a for n in gm.graph.nodes if n.op != "output"
+                    for a in n.all_input_nodes if a in nodes
+                    and get_meta(n).stream != get_meta(a).stream}
+        assert [a for a in exported if a.meta["val"].dim() > 0] == [
+            next(a for a in exported if a.meta["val"].dim() > 0)]
+    # the last stage (not an early block) runs on the main stream, before the join
+    last = [n for n in gm.graph.nodes if n.op != "output" and get_meta(n).stream == MAIN_STREAM
+            and not get_meta(n).after_join]
+    assert "native_layer_norm" in targets(gm, [n.name for n in last])
+
+
+@pytest.mark.parametrize("cfg", [
+    EraseConfig(inner="aot_eager", stages_on_side=False, streams=2),
+    EraseConfig(inner="aot_eager", stages_on_side=True, streams=1),
+    EraseConfig(inner="aot_eager", streams=4),
+], ids=["off", "one-side-stream", "auto-a-block-per-stream"])
+def test_stages_stay_on_the_main_stream_when_off_with_one_side_stream_or_a_block_per_stream(cfg):
+    stages = Stages(Chain(4), chain_inputs(), cfg)
+    stage, rest = _stage_and_block_nodes(stages.assigned.gm)
+    assert stage == {} and set(rest) == {0, 1, 2}
+
+
+def test_by_default_stages_go_to_side_streams_when_blocks_outnumber_them():
+    """3 early blocks on 2 side streams: stream 1 runs blocks 0 and 2, and reuses block 0's
+    memory for block 2 only if block 0's activations were made on it."""
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+    stage, rest = _stage_and_block_nodes(stages.assigned.gm)
+    assert set(stage) == set(rest) == {0, 1, 2}
+    assert {get_meta(n).stream for n in stage[0] + stage[2]} == {1}
+
+
+def test_check_catches_a_stage_that_reads_a_blocks_head():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=True))
+    gm, _ = clone_module(stages.assigned.gm)
+    stage, rest = _stage_and_block_nodes(gm)
+    head = next(n for n in rest[0] if get_meta(n).role is Role.FORWARD)
+    reader = stage[1][-1]
+    graph = gm.graph
+    with graph.inserting_after(reader):
+        bad = graph.call_function(aten.add.Tensor, (reader, head))
+    bad.meta["val"] = reader.meta["val"]
+    set_meta(bad, NodeMeta(Role.FORWARD, block=1, stream=get_meta(reader).stream, stage=True,
+                           waits_for=(head.name,)))
+    with pytest.raises(GraphInvariantError, match="a stage reads a block's head"):
+        check_stream_assignment(gm)

@@ -18,15 +18,37 @@ def build(stages, trace=True, release_lag=None):
     return StreamProgram.build(segmented, compiled, streams, release_lag), streams
 
 
-def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end():
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+def run_traced(cfg):
+    stages = Stages(Chain(3), chain_inputs(), cfg)
     program, streams = build(stages)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     program(list(args))
-    assert streams.trace == [
-        ("run", 0), ("fork", 1), ("run", 1), ("run", 0), ("fork", 2), ("run", 2), ("run", 0),
-        ("wait", (1, 2)), ("run", 0),  # the loss sum, after the side streams
+    return streams.trace
+
+
+def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end():
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+    assert trace == [
+        ("fork", (1, 2)),
+        ("run", 0), ("record", 0), ("wait", 1, (0,)), ("run", 1), ("record", 1),
+        ("run", 0), ("record", 0), ("wait", 2, (0,)), ("run", 2), ("record", 2),
+        ("run", 0),
+        ("wait", 0, (1, 2)), ("run", 0),  # the loss sum, after the blocks' backwards
+        ("join", (1, 2)),
+    ]
+
+
+def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+    assert trace == [
+        ("fork", (1, 2)),
+        ("run", 1), ("record", 1),  # stage 0: stage 1 and the main stream read its output
+        ("run", 1), ("record", 1),  # block 0: the loss sum reads its loss
+        ("wait", 2, (1,)), ("run", 2), ("record", 2),  # stage 1, once stage 0's event fired
+        ("wait", 2, (1,)), ("run", 2), ("record", 2),  # block 1 reads a constant of stage 0
+        ("wait", 0, (2,)), ("run", 0),  # the last stage: after stage 1, not block 1
+        ("wait", 0, (1, 2)), ("run", 0),
         ("join", (1, 2)),
     ]
 

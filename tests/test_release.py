@@ -65,7 +65,8 @@ def test_a_lag_below_one_is_refused():
 
 
 def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch):
-    stages = Stages(Chain(5), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+    stages = Stages(Chain(5), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     plain, _ = build(stages, trace=False)
@@ -85,26 +86,67 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
         if entry[0] == "record":
             recorded += 1
         elif entry[0] == "wait_events":
-            assert recorded >= len(entry[1])
+            assert entry[1] == MAIN and recorded >= len(entry[2])
     assert any(program.capture_plan.releases_before)
 
 
-def test_by_default_a_captured_run_frees_nothing_before_the_join(monkeypatch):
-    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="aot_eager", streams=2))
+def _slots_alive_before_each_launch(monkeypatch, cfg):
+    stages = Stages(Chain(4), chain_inputs(), cfg)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     monkeypatch.setattr(program_module, "_capturing", lambda: True)
     program, streams = build(stages)
-    assert program.capture_plan is None
-    dropped = []
+    alive = []
+    program.aliases = set()  # outputs that are views of a live value (a weight, a stage output)
     real_launch = program._launch
 
-    def launch(step, env):
-        dropped.append(sum(v is None for v in env))
-        real_launch(step, env)
+    def launch(k, step, env, events, record=False):
+        alive.append({i for i, v in enumerate(env) if v is not None})
+        live = {v.untyped_storage().data_ptr() for v in env if isinstance(v, torch.Tensor)}
+        real_launch(k, step, env, events, record)
+        program.aliases |= {
+            slot for slot in step.outputs if slot >= 0 and isinstance(env[slot], torch.Tensor)
+            and env[slot].untyped_storage().data_ptr() in live}
 
     monkeypatch.setattr(program, "_launch", launch)
     program(list(args))
-    # each step fills slots and none is emptied: fewer empty slots before every launch
-    assert all(a > b for a, b in zip(dropped, dropped[1:]))
-    assert not any(kind in ("record", "wait_events") for kind, *_ in streams.trace)
+    return program, streams, alive
+
+
+def test_by_default_a_captured_run_holds_what_crosses_streams_to_the_join(monkeypatch):
+    """Classic layout: a block's activations are made on the main stream and read on its side
+    stream, so they live to the join; nothing waits to release them."""
+    program, streams, alive = _slots_alive_before_each_launch(
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+    assert not any(program.capture_plan.releases_before)
+    assert not any(kind == "wait_events" for kind, *_ in streams.trace)
+    cross = {slot for k, step in enumerate(program.steps) if step.stream == MAIN
+             for slot in step.outputs
+             if any(s.stream != MAIN and slot in s.inputs for s in program.steps)}
+    assert cross
+    assert all(cross & set(program.steps[k].outputs) <= later
+               for k in range(len(program.steps)) for later in alive[k + 1:])
+
+
+def test_with_stages_on_side_a_blocks_activations_die_with_its_backward_under_capture(
+        monkeypatch):
+    """Stages on side streams: block b's activations are made and read on b's stream; under
+    capture they are dropped right after block b's step (the stream orders the reuse),
+    before the next block's stage on that stream runs."""
+    program, streams, alive = _slots_alive_before_each_launch(
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+    assert not any(kind == "wait_events" for kind, *_ in streams.trace)
+    steps = program.steps
+    for k, step in enumerate(steps):
+        if "_stage_" not in step.name:
+            continue
+        block_step = k + 1  # the block's head and backward, on the same stream
+        assert steps[block_step].stream == step.stream
+        # NB: a view of a live value (a weight's transpose) lives as long as that value
+        activations = {slot for slot in step.outputs if slot >= 0
+                       and slot not in program.aliases
+                       and all(s.stream == step.stream for s in steps if slot in s.inputs)}
+        assert len(activations) >= 4, step.name
+        assert program.capture_plan.drops_after[block_step]
+        for later in alive[block_step + 1:]:
+            assert not activations & later, step.name

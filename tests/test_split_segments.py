@@ -19,7 +19,15 @@ from graphs import (
 
 @pytest.fixture(scope="module")
 def chain():
-    return Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", streams=4))
+    """The classic layout: every stage on the main stream."""
+    return Stages(Chain(3), chain_inputs(),
+                  EraseConfig(inner="aot_eager", streams=4, stages_on_side=False))
+
+
+@pytest.fixture(scope="module")
+def chain_stages_on_side():
+    return Stages(Chain(3), chain_inputs(),
+                  EraseConfig(inner="aot_eager", streams=4, stages_on_side=True))
 
 
 def test_blocks_launch_between_forward_segments(chain):
@@ -43,6 +51,25 @@ def test_block_segments_wait_for_the_main_segment_before_them(chain):
             assert all(chain.segmented.segment(w).stream == MAIN_STREAM for w in segment.waits_for)
 
 
+def test_with_stages_on_side_each_block_runs_its_stage_then_its_head_on_one_stream(
+        chain_stages_on_side):
+    segmented = chain_stages_on_side.segmented
+    segments = segmented.segments
+    assert [(s.stream, s.block, s.stage) for s in segments] == [
+        (1, 0, True), (1, 0, False), (2, 1, True), (2, 1, False), (0, None, False),
+        (0, None, False),
+    ]
+    names = [s.name for s in segments]
+    assert re.fullmatch(r"seg_0_block_0_stage_stream_1", names[0])
+    # a stage waits for the stage before it, not for that block's backward; so does the
+    # last stage, on the main stream; the loss sum waits for the blocks' backwards
+    assert segments[2].waits_for == (names[0],)
+    assert segments[4].waits_for == (names[2],)
+    assert set(segments[5].waits_for) == {names[1], names[3]}
+    for segment in segments:
+        assert all(segmented.segment(w).stream != segment.stream for w in segment.waits_for)
+
+
 def test_every_segment_returns_a_tuple(chain):
     for segment in chain.segmented.segments:
         sub = getattr(chain.segmented.gm, segment.name)
@@ -52,8 +79,9 @@ def test_every_segment_returns_a_tuple(chain):
 
 @pytest.mark.parametrize("model, inputs", [(Chain(3), chain_inputs), (TwoBlock(), two_block_inputs),
                                            (TowersInterleaved(3), chain_inputs)])
-def test_split_module_computes_what_the_forward_computes(model, inputs):
-    stages = Stages(model, inputs(), EraseConfig(inner="aot_eager"))
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_split_module_computes_what_the_forward_computes(model, inputs, stages_on_side):
+    stages = Stages(model, inputs(), EraseConfig(inner="aot_eager", stages_on_side=stages_on_side))
     for _ in range(2):
         values = real_values(stages.fw)
         args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
@@ -61,9 +89,12 @@ def test_split_module_computes_what_the_forward_computes(model, inputs):
         assert_outputs_close(list(stages.segmented.gm(*args)), expected)
 
 
-def test_nodes_are_partitioned_exactly_once(chain):
-    fw_nodes = {n.name for n in chain.assigned.gm.graph.nodes if n.op not in ("placeholder", "output")}
-    in_segments = [name for s in chain.segmented.segments for name in s.nodes]
+@pytest.mark.parametrize("layout", ["chain", "chain_stages_on_side"])
+def test_nodes_are_partitioned_exactly_once(layout, request):
+    stages = request.getfixturevalue(layout)
+    fw_nodes = {n.name for n in stages.assigned.gm.graph.nodes
+                if n.op not in ("placeholder", "output")}
+    in_segments = [name for s in stages.segmented.segments for name in s.nodes]
     assert len(in_segments) == len(fw_nodes)
 
 

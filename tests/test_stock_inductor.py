@@ -9,6 +9,7 @@ Inductor's joint-graph passes when erase_fx ran them itself, outside
 Inductor's fake mode.
 """
 import copy
+import json
 import re
 
 import pytest
@@ -118,22 +119,30 @@ def test_a_graph_with_no_early_block_compiles_to_stock_inductors_code(train, dro
     assert erased == stock
 
 
-def test_dropout_in_early_blocks_matches_stock_inductors_masks():
-    """Inductor's random ops draw the same masks in erase's segments as in the whole graph."""
+@pytest.mark.parametrize("stages_on_side", [None, True], ids=["default", "stages-on-side"])
+def test_dropout_in_early_blocks_matches_stock_inductors_masks(stages_on_side, tmp_path):
+    """Inductor's random ops draw the same masks in erase's segments as in the whole graph,
+    also when a block's stage, dropout included, runs on its side stream."""
     model, inputs = DropoutChain(), vector_inputs()
     stock, erased = copy.deepcopy(model), copy.deepcopy(model)
     torch.manual_seed(1)
     torch.compile(stock)(*inputs).backward()
+    options = {**RAISE, "stages_on_side": stages_on_side, "dump_dir": str(tmp_path)}
     with erase_fx.collect_reports() as reports:
         torch.manual_seed(1)
-        torch.compile(erased, backend="erase", options=RAISE)(*inputs).backward()
+        torch.compile(erased, backend="erase", options=options)(*inputs).backward()
+    segments = json.loads(next(tmp_path.glob("graph_*/*.segments.json")).read_text())
+    random_stages = [s["name"] for s in segments
+                     if s["stage"] and any("inductor_random" in n for n in s["nodes"])]
+    assert len(random_stages) == (2 if stages_on_side else 0)
     assert len(reports[0].blocks) == 2
     assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
     zero_rows = (erased.stages[0][0].weight.grad == 0).all(dim=1)
     assert 0 < int(zero_rows.sum()) < 16  # the masks dropped something, and not everything
 
 
-def test_dropout_with_fallback_random_matches_eager():
+@pytest.mark.parametrize("stages_on_side", [None, True], ids=["default", "stages-on-side"])
+def test_dropout_with_fallback_random_matches_eager(stages_on_side):
     """``fallback_random``: Inductor draws eager's random numbers; so does erase."""
     model, inputs = DropoutChain(), vector_inputs()
     eager, erased = copy.deepcopy(model), copy.deepcopy(model)
@@ -141,7 +150,8 @@ def test_dropout_with_fallback_random_matches_eager():
         torch.manual_seed(2)
         eager(*inputs).backward()
         torch.manual_seed(2)
-        torch.compile(erased, backend="erase", options=RAISE)(*inputs).backward()
+        torch.compile(erased, backend="erase",
+                      options={**RAISE, "stages_on_side": stages_on_side})(*inputs).backward()
     assert_same_grads(eager, erased, rtol=1e-5, atol=1e-6)
 
 

@@ -63,8 +63,10 @@ class Step:
         inputs: slots of its arguments.
         outputs: for each output of the segment, the slot it goes to (-1: unused).
         frees: slots whose last reader is this step, cleared after it runs.
-        joins: for a main-stream step that reads side-stream values, the side
-            streams it waits for first.
+        waits: the earlier steps on other streams whose outputs it reads: its
+            stream waits for the event each recorded before it runs.
+        records_event: a later step on another stream reads its outputs: an
+            event is recorded on its stream right after it is launched.
     """
 
     name: str
@@ -73,7 +75,8 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     frees: tuple[int, ...]
-    joins: tuple[int, ...] = ()
+    waits: tuple[int, ...] = ()
+    records_event: bool = False
 
 
 #: ``begin(inputs)``: called with a forward's inputs before any step runs;
@@ -127,11 +130,10 @@ class StreamProgram(Boxed):
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
-        #: how a captured run frees memory; None: nothing before the join
-        self.capture_plan: CapturePlan | None = None if release_lag is None else \
-            plan_captured_releases(
-                [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
-                {slot for kind, slot in results if kind == "slot"}, release_lag)
+        #: how a captured run frees memory (`erase_fx.emit.release`)
+        self.capture_plan: CapturePlan = plan_captured_releases(
+            [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
+            {slot for kind, slot in results if kind == "slot"}, release_lag)
         self.begin_hook: BeginHook | None = None
         self.completion_hooks: dict[int, tuple[CompletionHook, ...]] = {}
 
@@ -206,6 +208,16 @@ class StreamProgram(Boxed):
             for arg in call.all_input_nodes:
                 last_reader[slot[arg]] = k
 
+        step_of = {call.target: k for k, call in enumerate(raw_steps)}
+        waits = []
+        for call in raw_steps:
+            # NB: one stream's events fire in order: the latest one per stream suffices
+            latest: dict[int, int] = {}
+            for w in segmented.segment(call.target).waits_for:
+                stream = segmented.segment(w).stream
+                latest[stream] = max(latest.get(stream, -1), step_of[w])
+            waits.append(tuple(sorted(latest.values())))
+        read_elsewhere = {k for step_waits in waits for k in step_waits}
         steps = []
         for k, call in enumerate(raw_steps):
             segment = segmented.segment(call.target)
@@ -213,8 +225,6 @@ class StreamProgram(Boxed):
             for user in call.users:
                 outputs[user.args[1]] = slot[user]
             width = max(outputs, default=-1) + 1
-            joins = sorted({segmented.segment(w).stream for w in segment.waits_for}
-                           - {MAIN_STREAM}) if segment.stream == MAIN_STREAM else []
             steps.append(Step(
                 name=segment.name,
                 stream=segment.stream,
@@ -222,7 +232,8 @@ class StreamProgram(Boxed):
                 inputs=tuple(slot[a] for a in call.args),
                 outputs=tuple(outputs.get(i, -1) for i in range(width)),
                 frees=tuple(s for s, last in last_reader.items() if last == k and s not in kept),
-                joins=tuple(joins),
+                waits=waits[k],
+                records_event=k in read_elsewhere,
             ))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
                    tuple(constants), release_lag)
@@ -237,25 +248,23 @@ class StreamProgram(Boxed):
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         if context is not None:
             self._complete(-1, env, context)
+        # NB: the side streams start from the main stream's state: the inputs are ready
+        self.streams.fork(self.side_streams)
         if not (self.side_streams and _capturing()):
             self._run(env, context)
-        elif self.capture_plan is None:
-            # NB: by default nothing is freed before the join under capture,
-            # where memory freed is not guarded by the streams that read it
-            # (a race seen on an H200); `release_lag` opts into the plan.
-            self._run(env, context, free=False)
         else:
             self._run_captured(env, context)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
 
-    def _run(self, env: list[Any], context: Any = None, free: bool = True) -> None:
-        """Each slot dropped after its last reader (``free``); ``record_stream`` guards
-        cross-stream reuse."""
+    def _run(self, env: list[Any], context: Any = None) -> None:
+        """Each slot dropped after its last reader; ``record_stream`` guards cross-stream
+        reuse."""
+        events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
-            self._launch(step, env)
-            for slot in step.frees if free else ():
+            self._launch(k, step, env, events)
+            for slot in step.frees:
                 env[slot] = None
             if context is not None:
                 self._complete(k, env, context)
@@ -270,45 +279,49 @@ class StreamProgram(Boxed):
     def _run_captured(self, env: list[Any], context: Any = None) -> None:
         """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
 
-        NB: a step output that lives in memory an earlier value already had
-        (a view of an input or of another stream's tensor) is held to the
-        join: the plan reasons about the stream a tensor was made on, and a
-        view was not made where its memory was.
+        NB: a step output that lives in memory a live value already has (a
+        view of an input or of another stream's tensor) is held to the join:
+        the plan reasons about the stream a tensor was made on, and a view was
+        not made where its memory was. Memory that was freed and handed out
+        again is not such a case (that reuse is the point of freeing).
         """
-        plan, streams = self.capture_plan, self.streams
-        assert plan is not None
-        seen = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
+        plan = self.capture_plan
         pinned: set[int] = set()
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
             if plan.waits_before[k]:
-                streams.wait_events([events[r] for r in plan.waits_before[k]])
+                self.streams.wait_events(MAIN_STREAM, [events[r] for r in plan.waits_before[k]])
             for slot in plan.releases_before[k]:
                 if slot not in pinned:
                     env[slot] = None
-            self._launch(step, env)
+            live = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
+            self._launch(k, step, env, events, plan.records_event[k])
             for slot in step.outputs:
                 if slot >= 0 and isinstance(env[slot], torch.Tensor):
                     key = _storage_key(env[slot])
-                    if key in seen:
+                    if key in live:
                         pinned.add(slot)
-                    seen.add(key)
-            if plan.records_event[k]:
-                events[k] = streams.record_event(step.stream)
+                    live.add(key)
             for slot in plan.drops_after[k]:
                 if slot not in pinned:
                     env[slot] = None
             if context is not None:
                 self._complete(k, env, context)
 
-    def _launch(self, step: Step, env: list[Any]) -> None:
+    def _launch(self, k: int, step: Step, env: list[Any], events: dict[int, Any],
+                record: bool = False) -> None:
+        """Run step ``k`` once the events of the steps it reads on other streams have fired;
+        record its own event when another stream reads it (or ``record``)."""
         inputs = [env[i] for i in step.inputs]
+        waits = [events[w] for w in step.waits]
         # NB: read the flag at each call: profilers start and stop between calls.
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(PROFILE_LABEL_PREFIX + step.name):
-                outputs = self.streams.run(step.stream, step.fn, inputs, step.joins)
+                outputs = self.streams.run(step.stream, step.fn, inputs, waits)
         else:
-            outputs = self.streams.run(step.stream, step.fn, inputs, step.joins)
+            outputs = self.streams.run(step.stream, step.fn, inputs, waits)
+        if step.records_event or record:
+            events[k] = self.streams.record_event(step.stream)
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value

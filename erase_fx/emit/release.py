@@ -12,7 +12,9 @@ capture erase_fx orders the reuse itself:
 - a slot read only on the stream that made it is dropped after its last
   reader, as outside capture (one stream's work is ordered);
 - a slot the **main stream** made and **side streams** read (a block's
-  activations, read by its early backward) is released later: an event is
+  activations, read by its early backward, when its stage runs on the main
+  stream) is, with a ``release_lag`` (None by default: held to the join),
+  released later: an event is
   recorded on each side stream after its last read, and the main stream
   waits for those events before the main segment ``release_lag`` main
   segments on, then drops the slot. Memory the main stream reuses after
@@ -22,6 +24,11 @@ capture erase_fx orders the reuse itself:
 - anything else (a side stream's values that the main stream reads, such as
   local losses; forward inputs, which the caller owns) is held until the
   join at the end of the forward, where every stream is ordered.
+
+With each block's stage on its side stream (`EraseConfig.stages_on_side`),
+the block's activations are made and read on that stream: the first rule
+frees them right after the block's backward, and the side stream's next
+stage reuses the memory, ordered by the stream itself.
 
 `plan_captured_releases` is a pure function of the program's steps; the
 tests check its plans on CPU, the race stress in ``bench/check_cuda.py`` on
@@ -64,7 +71,7 @@ class CapturePlan:
 
 
 def plan_captured_releases(
-    steps: Sequence[StepIO], num_inputs: int, kept: set[int], release_lag: int
+    steps: Sequence[StepIO], num_inputs: int, kept: set[int], release_lag: int | None
 ) -> CapturePlan:
     """The release plan of a captured run; see the module docstring.
 
@@ -74,9 +81,10 @@ def plan_captured_releases(
             (held to the end: the caller owns them).
         kept: slots the forward returns (never dropped).
         release_lag: how many main steps after a block's last read of a main
-            stream tensor the main stream waits for it and drops the tensor.
+            stream tensor the main stream waits for it and drops the tensor
+            (None: such tensors are held to the join).
     """
-    if release_lag < 1:
+    if release_lag is not None and release_lag < 1:
         raise ValueError(f"release_lag must be >= 1, not {release_lag}")
     producer: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
@@ -101,7 +109,8 @@ def plan_captured_releases(
         if not cross:
             drops_after[max(reads)].append(slot)
             continue
-        if home != MAIN_STREAM or any(steps[k].stream == MAIN_STREAM for k in cross):
+        if release_lag is None or home != MAIN_STREAM or any(
+                steps[k].stream == MAIN_STREAM for k in cross):
             continue  # held to the join
         last_side_read = {}
         for k in cross:

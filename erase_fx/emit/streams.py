@@ -1,14 +1,20 @@
 """What running a step on a stream means: CUDA streams, or virtual ones on CPU.
 
-`StreamOps.run(stream, fn, inputs, joins)` runs one compiled segment on a
-stream (a main-stream segment first waits for the side streams in
-``joins``); `StreamOps.join(streams, outputs)` ends a forward: the main
-stream waits for the side streams, and outputs made there become safe to use
-on the main stream. `StreamOps.run_comm(after, tensors, fn)` runs collective
-work (`erase_fx.ddp`'s early all-reduce) on a communication stream once the
-streams in ``after`` have done the work launched on them so far;
-`StreamOps.wait_comm()` makes the current stream wait for it (the backward
-does, before it reads what was reduced).
+The protocol of one forward (`erase_fx.emit.program.StreamProgram`):
+`StreamOps.fork(streams)` first makes the side streams start from the main
+stream's state (the forward's inputs are ready); `StreamOps.run(stream, fn,
+inputs, waits)` runs one compiled segment on a stream once the events in
+``waits`` have fired (the steps on other streams whose outputs it reads);
+`StreamOps.record_event(stream)` records an event after the work launched on
+a stream so far (a step another stream reads); `StreamOps.wait_events(stream,
+events)` makes a stream wait without running anything (the release of
+memory under capture); `StreamOps.join(streams, outputs)` ends a forward:
+the main stream waits for the side streams, and outputs made there become
+safe to use on the main stream. `StreamOps.run_comm(after, tensors, fn)`
+runs collective work (`erase_fx.ddp`'s early all-reduce) on a communication
+stream once the streams in ``after`` have done the work launched on them so
+far; `StreamOps.wait_comm()` makes the current stream wait for it (the
+backward does, before it reads what was reduced).
 """
 from __future__ import annotations
 
@@ -25,15 +31,17 @@ T = TypeVar("T")
 
 
 class StreamOps(Protocol):
+    def fork(self, streams: Sequence[int]) -> None: ...
+
     def run(
-        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
+        self, stream: int, fn: BoxedCallable, inputs: list[Any], waits: Sequence[Any] = ()
     ) -> Sequence[Any]: ...
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None: ...
 
     def record_event(self, stream: int) -> Any: ...
 
-    def wait_events(self, events: Sequence[Any]) -> None: ...
+    def wait_events(self, stream: int, events: Sequence[Any]) -> None: ...
 
     def run_comm(self, after: Sequence[int], tensors: Sequence[Any],
                  fn: Callable[[], T]) -> T: ...
@@ -45,21 +53,25 @@ class VirtualStreams:
     """CPU: streams are labels; steps run in program order.
 
     With ``trace=True`` it records what a CUDA run would do, as
-    ``("run", stream)`` / ``("fork", stream)`` / ``("wait", streams)`` /
-    ``("join", streams)`` tuples, so tests on CPU can check the sync protocol.
+    ``("fork", streams)`` / ``("wait", stream, event streams)`` / ``("run",
+    stream)`` / ``("record", stream)`` / ``("join", streams)`` tuples (an
+    event is named by the stream it was recorded on), so tests on CPU can
+    check the sync protocol.
     """
 
     def __init__(self, trace: bool = False):
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
 
+    def fork(self, streams: Sequence[int]) -> None:
+        if self.trace is not None and streams:
+            self.trace.append(("fork", tuple(streams)))
+
     def run(
-        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
+        self, stream: int, fn: BoxedCallable, inputs: list[Any], waits: Sequence[Any] = ()
     ) -> Sequence[Any]:
         if self.trace is not None:
-            if stream != MAIN_STREAM:
-                self.trace.append(("fork", stream))
-            elif joins:
-                self.trace.append(("wait", tuple(joins)))
+            if waits:
+                self.trace.append(("wait", stream, tuple(waits)))
             self.trace.append(("run", stream))
         return fn(inputs)
 
@@ -72,9 +84,9 @@ class VirtualStreams:
             self.trace.append(("record", stream))
         return stream
 
-    def wait_events(self, events: Sequence[Any]) -> None:
+    def wait_events(self, stream: int, events: Sequence[Any]) -> None:
         if self.trace is not None:
-            self.trace.append(("wait_events", tuple(events)))
+            self.trace.append(("wait_events", stream, tuple(events)))
 
     def run_comm(self, after: Sequence[int], tensors: Sequence[Any], fn: Callable[[], T]) -> T:
         """In program order: the collective runs now (on CPU, gloo's blocking call)."""
@@ -95,43 +107,63 @@ class CudaStreams:
         self.side = side_streams(device, num_side_streams)
         self._comm: torch.cuda.Stream | None = None
 
-    def run(
-        self, stream: int, fn: BoxedCallable, inputs: list[Any], joins: Sequence[int] = ()
-    ) -> Sequence[Any]:
-        main = torch.cuda.current_stream(self.device)
+    def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
-            if joins:
-                self._wait_for(main, joins, inputs)
+            return torch.cuda.current_stream(self.device)
+        return self.side[stream - 1]
+
+    def fork(self, streams: Sequence[int]) -> None:
+        """The side streams wait for the work launched on the main stream so far."""
+        main = torch.cuda.current_stream(self.device)
+        for stream in streams:
+            self.side[stream - 1].wait_stream(main)
+
+    def run(
+        self, stream: int, fn: BoxedCallable, inputs: list[Any],
+        waits: Sequence[torch.cuda.Event] = (),
+    ) -> Sequence[Any]:
+        if stream == MAIN_STREAM and not waits:
             return fn(inputs)
-        side = self.side[stream - 1]
-        side.wait_stream(main)
-        # NB: the caching allocator must not hand an input's memory to main-stream
-        # work while this side stream may still read it. Outside capture,
+        target = self._stream(stream)
+        for event in waits:
+            target.wait_event(event)
+        # NB: the caching allocator must not hand an input's memory to work on
+        # another stream while this stream may still read it. Outside capture,
         # record_stream says so. Under CUDA graph capture memory freed is not
         # guarded by stream uses (seen as a race on an H200, torch 2.11):
         # there `StreamProgram` orders every reuse itself (erase_fx.emit.release).
         if not torch.cuda.is_current_stream_capturing():
             for value in inputs:
                 if isinstance(value, torch.Tensor) and value.is_cuda:
-                    value.record_stream(side)
-        with torch.cuda.stream(side):
+                    value.record_stream(target)
+        if stream == MAIN_STREAM:
+            return fn(inputs)
+        with torch.cuda.stream(target):
             return fn(inputs)
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
+        """The main stream waits for the side streams before it uses values made there."""
         main = torch.cuda.current_stream(self.device)
-        self._wait_for(main, streams, side_outputs)
+        for stream in streams:
+            main.wait_stream(self.side[stream - 1])
+        if torch.cuda.is_current_stream_capturing():
+            return  # values of a captured forward live in the graph's own memory
+        for value in side_outputs:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(main)
 
     def record_event(self, stream: int) -> torch.cuda.Event:
-        """An event on a side stream after the work launched there so far."""
+        """An event on a stream after the work launched there so far."""
         event = torch.cuda.Event()
-        event.record(self.side[stream - 1])
+        event.record(self._stream(stream))
         return event
 
-    def wait_events(self, events: Sequence[torch.cuda.Event]) -> None:
-        """The main stream waits for side-stream events (before it reuses their inputs' memory)."""
-        main = torch.cuda.current_stream(self.device)
+    def wait_events(self, stream: int, events: Sequence[torch.cuda.Event]) -> None:
+        """A stream waits for events (the main stream, before it reuses memory side streams
+        read)."""
+        target = self._stream(stream)
         for event in events:
-            main.wait_event(event)
+            target.wait_event(event)
 
     @property
     def comm(self) -> torch.cuda.Stream:
@@ -150,9 +182,8 @@ class CudaStreams:
         later work (``Work.wait()``).
         """
         comm = self.comm
-        main = torch.cuda.current_stream(self.device)
         for stream in after:
-            comm.wait_stream(main if stream == MAIN_STREAM else self.side[stream - 1])
+            comm.wait_stream(self._stream(stream))
         if not torch.cuda.is_current_stream_capturing():
             for value in tensors:
                 if isinstance(value, torch.Tensor) and value.is_cuda:
@@ -164,17 +195,6 @@ class CudaStreams:
         """The current stream waits for the communication stream's work so far."""
         if self._comm is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._comm)
-
-    def _wait_for(self, main: torch.cuda.Stream, streams: Sequence[int],
-                  side_values: Sequence[Any]) -> None:
-        """The main stream waits for side streams before it uses values made there."""
-        for stream in streams:
-            main.wait_stream(self.side[stream - 1])
-        if torch.cuda.is_current_stream_capturing():
-            return  # values of a captured forward live in the graph's own memory
-        for value in side_values:
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                value.record_stream(main)
 
 
 _pool_lock = threading.Lock()
