@@ -14,6 +14,16 @@
 #                                      ctr:16384 with the step API, release_lag 2 and 4, one side
 #                                      stream and one-stream controls,
 #                                      and bench.held_to_join on CUDA (~8 min)
+#   bash bench/device_run.sh memory-d  stages on side streams (the default) against stages on the
+#                                      main stream and inductor+step: step memory and time on
+#                                      gpt:16:384:256:8, ctr:16384 and the three small chains,
+#                                      bench.held_to_join on CUDA, after a 1,000-step race
+#                                      stress, captured and not, on an 8-stage chain (7 blocks
+#                                      over 4 side streams: memory reused on a stream) (~9 min)
+#   bash bench/device_run.sh memory-e  after memory-d: check_models on the dropout GPT and CTR
+#                                      models (random ops in stages on side streams), then
+#                                      ResNet-18 DGL with stages on side vs on main, and two side
+#                                      streams on gpt:16:384:256:8 and ctr:16384 (~9 min)
 #   bash bench/device_run.sh vision-a  torchvision ResNet-18, DGL (detached stages) and as shipped:
 #                                      the step API and the hand capture of inductor and erase,
 #                                      reduce-overhead and erase's own graphs, inductor and erase
@@ -60,7 +70,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|step|memory-a|memory-b|memory-c|vision-a|vision-b|vision-c|vision-d) ;;
+  bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e) ;;
+  vision-a|vision-b|vision-c|vision-d) ;;
   vision-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -109,6 +120,26 @@ case "$1" in
     run memory-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
       inductor+step,erase+step,erase+step/release-lag=2,erase+step/release-lag=4,erase+step/streams=1,erase+step/one-stream \
       --budget-s 380 ;;
+  memory-d)
+    # NB: the stress first: a race found matters more than a figure
+    timeout 130 python3 -m bench.check_cuda --parts stress --stress-steps 1000 \
+      --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
+      2>&1 | tee "$OUT/check_cuda-stress.log" || true
+    timeout 360 python3 -m bench.run --budget-s 300 --out "$OUT/memory-d.json" --streams '' \
+      --configs "mlp:512:1024:2048:6,gpt:16:384:256:8,ctr:16384:1024:2048:6,ctr:1024:512:1024:6,mlp:128:2000:2000:4" \
+      --variants inductor+step,erase+step,erase+step/stages-on-main --sweep-configs '' \
+      --trials 5 || true
+    timeout 60 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
+      | tee "$OUT/held-to-join.md" ;;
+  memory-e)
+    timeout 220 python3 -m bench.check_models --budget-s 190 --models gpt-dropout,ctr-dropout \
+      --out "$OUT/models-dropout.json" 2>&1 | tee "$OUT/models-dropout.log" || true
+    timeout 200 python3 -m bench.run --budget-s 150 --out "$OUT/memory-e-vision.json" \
+      --streams '' --configs tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/stages-on-main || true
+    timeout 150 python3 -m bench.run --budget-s 110 --out "$OUT/memory-e-streams.json" \
+      --streams '' --configs gpt:16:384:256:8,ctr:16384:1024:2048:6 --sweep-configs '' \
+      --trials 5 --variants inductor+step,erase+step/streams=2 ;;
   bench-a)
     run bench-a "$SMALL" "$CLASSIC" --budget-s 500 ;;
   bench-b)

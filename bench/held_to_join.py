@@ -1,20 +1,26 @@
 """What a captured erase forward holds until the join, by kind: ``python -m bench.held_to_join``.
 
-Under CUDA graph capture erase's forward (`StreamProgram`) frees nothing
-before the join at the end of the forward (``release_lag=None``, the
-default): every value one segment hands another stays alive until every
-stream is ordered. This script runs one forward and backward of each config
-(on CPU by default: the program, its slots and their sizes are the same as
-on a GPU, only the kernels differ), keeps every slot to the join as capture
-does, and sums the bytes held at the join by what they are:
+Under CUDA graph capture erase's forward (`StreamProgram`) frees a value
+before the join only when one stream made and read it (the caching
+allocator's reuse is then ordered by that stream), or, with ``release_lag``,
+a main-stream value side streams read once the main stream has waited for
+them (`erase_fx.emit.release`); every other value one segment hands another
+stays alive until every stream is ordered. This script runs one forward and
+backward of each config (on CPU by default: the program, its slots and their
+sizes are the same as on a GPU, only the kernels differ) through the
+captured path's release plan, and sums the bytes still held at the join by
+what they are:
 
 - ``main -> side``: made on the main stream, read by a side stream (a block's
-  activations, read by its early backward): what an event-ordered release
-  (``release_lag``) or a block forward on its own stream would free early;
-- ``side -> main``: made on a side stream, read by the main stream after the
-  join (the local losses: scalars, unless a loss's tail runs on main);
-- ``one stream``: made and read on one stream (freed after the last reader
-  when ``release_lag`` is set);
+  activations, read by its early backward, when its stage runs on the main
+  stream: ``stages_on_side=False``);
+- ``side -> main``: made on a side stream, read by the main stream (the local
+  losses after the join: scalars, unless a loss's tail runs on main; the
+  last early stage's output, read by the stage after it);
+- ``side -> side``: made on one side stream, read by another (a stage's
+  output, read by the next block's stage);
+- ``one stream``: made and read on one stream, still held (views of a value
+  held for another reason);
 - ``returned``: the forward's outputs (gradients of early blocks, tensors
   saved for the backward): held by autograd whatever the program does.
 
@@ -35,11 +41,11 @@ from bench.models import build_config, parse_config
 from erase_fx.emit import program as program_module
 from erase_fx.passes import MAIN_STREAM
 
-KINDS = ("main -> side", "side -> main", "one stream", "returned")
+KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
 
 
 def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]:
-    """Bytes held in ``env`` (a finished run's slots, nothing freed) by kind."""
+    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
     producer = {slot: step.stream for step in program.steps for slot in step.outputs if slot >= 0}
     readers: dict[int, set[int]] = {}
     for step in program.steps:
@@ -61,40 +67,48 @@ def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]
             kind = "returned"
         elif read_on <= {home}:
             kind = "one stream"
+        elif home == MAIN_STREAM:
+            kind = "main -> side"
         else:
-            kind = "main -> side" if home == MAIN_STREAM else "side -> main"
+            kind = "side -> main" if MAIN_STREAM in read_on else "side -> side"
         held[kind] += value.untyped_storage().nbytes()
     return held
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[dict[str, int]]]:
-    """Every `StreamProgram` run inside holds its slots to the join, and reports them.
+    """Every `StreamProgram` run inside takes the captured path (its release plan), and
+    reports what it holds at the join.
 
-    NB: an observer wrapped around the program's private ``_run`` (bench only):
-    it changes when memory is freed, never what is computed.
+    NB: an observer around the program's private ``_run_captured`` and
+    ``_capturing`` (bench only): it changes when memory is freed, never what
+    is computed.
     """
     found: list[dict[str, int]] = []
-    original = program_module.StreamProgram._run
+    original, capturing = program_module.StreamProgram._run_captured, program_module._capturing
 
-    def run_holding(self, env, context=None, free=True):
-        original(self, env, context, free=False)
+    def run_captured(self, env, context=None):
+        original(self, env, context)
         found.append(classify(self, env))
 
-    program_module.StreamProgram._run = run_holding
+    program_module.StreamProgram._run_captured = run_captured
+    program_module._capturing = lambda: True
     try:
         yield found
     finally:
-        program_module.StreamProgram._run = original
+        program_module.StreamProgram._run_captured = original
+        program_module._capturing = capturing
 
 
-def measure(text: str, device: torch.device, inner: str = "inductor") -> dict[str, int]:
+def measure(text: str, device: torch.device, inner: str = "inductor",
+            stages_on_side: bool = True) -> dict[str, int]:
     """Bytes held to the join by kind, summed over the programs of one training step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = build_config(parse_config(text), device)
     fn = torch.compile(model, backend="erase",
-                       options={"on_error": "raise", "cudagraphs": False, "inner": inner})
+                       options={"on_error": "raise", "cudagraphs": False, "inner": inner,
+                                "stages_on_side": stages_on_side})
     with recording() as found:
         fn(*inputs).backward()
     total = dict.fromkeys(KINDS, 0)
@@ -113,12 +127,14 @@ def main(argv=None) -> int:
                         help="erase's inner compiler (inductor: the segments a user gets)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print("| config | " + " | ".join(f"{k} MiB" for k in KINDS) + " |")
-    print("|---|" + "---|" * len(KINDS))
+    print("| config | stages | " + " | ".join(f"{k} MiB" for k in KINDS) + " |")
+    print("|---|---|" + "---|" * len(KINDS))
     for text in args.configs.split(","):
-        held = measure(text, device, args.inner)
-        print(f"| {text} | " + " | ".join(f"{held[k] / 2**20:.1f}" for k in KINDS) + " |",
-              flush=True)
+        for on_side in (True, False):
+            held = measure(text, device, args.inner, on_side)
+            where = "on side streams" if on_side else "on the main stream"
+            print(f"| {text} | {where} | "
+                  + " | ".join(f"{held[k] / 2**20:.1f}" for k in KINDS) + " |", flush=True)
     return 0
 
 

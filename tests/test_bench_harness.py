@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("erase+step/one-stream", Variant("erase", "step", control="one-stream")),
     ("erase/aot_eager", Variant("erase", control="aot_eager")),
     ("erase+step/release-lag=2", Variant("erase", "step", control="release-lag=2")),
+    ("erase+step/stages-on-main", Variant("erase", "step", control="stages-on-main")),
 ])
 def test_variant_names_read_and_write_back(name, parsed):
     assert Variant.parse(name) == parsed
@@ -76,6 +77,7 @@ def test_erase_options_of_the_controls():
         "inner": "inductor", "cudagraphs": False, "overlap": False}
     assert Variant.parse("erase+graphs/streams=2").erase_options["streams"] == 2
     assert Variant.parse("erase/aot_eager").erase_options["inner"] == "aot_eager"
+    assert Variant.parse("erase+step/stages-on-main").erase_options["stages_on_side"] is False
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
 

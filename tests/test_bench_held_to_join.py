@@ -1,22 +1,44 @@
 """bench.held_to_join: what a captured forward holds to the join, measured on CPU."""
+import pytest
+
 from bench import held_to_join
 
 
-def test_a_gpt_chain_holds_its_blocks_activations_and_only_scalar_losses_from_side_streams():
+@pytest.fixture(scope="module")
+def held():
     # NB: aot_eager keeps the cross-entropy whole (fast); the tail of an Inductor-decomposed
     # loss is pinned in tests/test_assign_streams.py
-    held = held_to_join.measure("gpt:2:64:32:3", held_to_join.torch.device("cpu"), "aot_eager")
-    assert set(held) == set(held_to_join.KINDS)
-    assert held["main -> side"] > 0  # the blocks' activations, read by their early backward
-    assert held["returned"] > 0
+    cpu = held_to_join.torch.device("cpu")
+    return {on_side: held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", on_side)
+            for on_side in (False, True)}
+
+
+def test_with_stages_on_main_a_gpt_chain_holds_its_blocks_activations_to_the_join(held):
+    on_main = held[False]
+    assert set(on_main) == set(held_to_join.KINDS)
+    assert on_main["main -> side"] > 0  # the blocks' activations, read by their early backward
+    assert on_main["returned"] > 0
     # two early blocks' scalar losses (fp32) cross to the main stream, not their log-softmax
-    assert held["side -> main"] <= 2 * 4 * 64, held
+    assert on_main["side -> main"] <= 2 * 4 * 64, on_main
 
 
-def test_the_observer_restores_the_program_and_frees_again_after_it():
+def test_with_stages_on_side_streams_only_stage_outputs_cross_and_activations_are_freed(held):
+    on_side, on_main = held[True], held[False]
+    assert on_side["main -> side"] == 0
+    # what crosses is one batch x tokens x d stage output per early stage (fp32) and scalars
+    stage_output = 2 * 32 * 64 * 4
+    crossing = on_side["side -> side"] + on_side["side -> main"]
+    assert stage_output <= crossing <= 2 * stage_output + 2 * 4 * 64, on_side
+    assert sum(on_side.values()) < sum(on_main.values()) - on_main["main -> side"] / 2
+    assert on_side["returned"] == on_main["returned"]
+
+
+def test_the_observer_restores_the_program_after_it():
     from erase_fx.emit import program
 
-    original = program.StreamProgram._run
+    original, capturing = program.StreamProgram._run_captured, program._capturing
     with held_to_join.recording() as found:
-        assert program.StreamProgram._run is not original
-    assert program.StreamProgram._run is original and found == []
+        assert program.StreamProgram._run_captured is not original
+        assert program._capturing is not capturing
+    assert program.StreamProgram._run_captured is original and program._capturing is capturing
+    assert found == []
