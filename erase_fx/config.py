@@ -100,7 +100,8 @@ class EraseConfig:
             ``python -m bench.run``): gpt:16:384:256:8 (7 blocks) 1811 MiB
             of step memory instead of 2153, 1207 with ``streams=2``, at the
             same speed; DGL ResNet-18 (3 blocks on 4 streams) 5% slower with
-            9% more memory when forced on.
+            9% more memory when forced on (before BatchNorm's statistics
+            updates stopped cutting stages into pieces; not re-measured).
         early_allreduce: under DistributedDataParallel, all-reduce each early
             block's gradients during the forward, as soon as its early backward
             ends (one flat buffer per block, on a communication stream;

@@ -216,14 +216,27 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
     for node in nodes:
         if _is_element(node) and in_main_order(node):
             elements.setdefault(node.args[0], []).append(node)
+    deferred = _feeding_mutations_only(nodes) if any(
+        get_meta(n) is not None and get_meta(n).stage for n in nodes) else set()
+    emitted: set[fx.Node] = set()
+
+    def with_deferred_inputs(node: fx.Node) -> list[fx.Node]:
+        found = []
+        for arg in node.all_input_nodes:
+            if arg in deferred and arg not in emitted:
+                found.extend(with_deferred_inputs(arg))
+                emitted.add(arg)
+                found.append(arg)
+        return found
+
     after_join = []
     for node in nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output") or node in deferred:
             continue
         meta = get_meta(node)
         if not in_main_order(node) or (_is_element(node) and node.args[0] in elements):
             continue
-        here = [node, *elements.get(node, [])]
+        here = [*with_deferred_inputs(node), node, *elements.get(node, [])]
         if meta.after_join:
             after_join.extend(here)
             continue
@@ -231,7 +244,48 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
         for launch_point in here:
             for block in launches.get(position[launch_point], []):
                 ordered.extend(block_nodes[block])
-    return ordered + after_join + [n for n in nodes if n.op == "output"]
+    rest = [n for n in nodes if n in deferred and n not in emitted]
+    return ordered + rest + after_join + [n for n in nodes if n.op == "output"]
+
+
+def _feeding_mutations_only(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Main-stream nodes that only feed in-place updates of inputs (BatchNorm's running
+    statistics and batch count, written back by ``copy_`` at the end of the forward).
+
+    With stages on side streams such a node sits between a stage's nodes in
+    the forward's order and would cut the stage into several segments, each
+    an extra launch and sync; it is emitted right before the update that
+    reads it instead (nothing else waits for it).
+    """
+    written_back = _returned_as_input_mutations_only(nodes[-1])
+    feeds: set[fx.Node] = set()
+    for node in reversed(nodes):
+        meta = get_meta(node)
+        if (node.op != "call_function" or meta is None or meta.stream != MAIN_STREAM
+                or meta.stage or meta.after_join or node.is_impure() or not node.users
+                or _is_element(node) or any(_is_element(u) for u in node.users)):
+            continue
+        if all(u in feeds or (u.op == "output" and node in written_back)
+               or (u.op == "call_function" and u.is_impure()
+                   and get_meta(u).stream == MAIN_STREAM) for u in node.users):
+            feeds.add(node)
+    return feeds
+
+
+def _returned_as_input_mutations_only(output: fx.Node) -> set[fx.Node]:
+    """Output values that are only new values of mutated inputs (AOTAutograd writes them
+    back after the forward, when the graph does not do it itself with ``copy_``)."""
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+    descs = output.meta.get("desc")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    if descs is None or len(descs) != len(values):
+        return set()
+    kinds: dict[fx.Node, set[bool]] = {}
+    for value, desc in zip(values, descs):
+        if isinstance(value, fx.Node):
+            kinds.setdefault(value, set()).add(isinstance(desc, InputMutationAOTOutput))
+    return {value for value, mutation in kinds.items() if mutation == {True}}
 
 
 def _is_element(node: fx.Node) -> bool:

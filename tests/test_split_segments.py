@@ -1,6 +1,8 @@
 """split_segments: launch order, one stream per segment, same values as the unsplit forward."""
 import re
 
+import torch
+
 import pytest
 
 from erase_fx.config import EraseConfig
@@ -111,3 +113,23 @@ def test_a_block_in_pieces_launches_each_piece_when_it_is_ready_on_one_stream():
     # one stream orders the pieces: no piece waits for another
     pieces = {s.name for s in segments if s.block is not None}
     assert not any(set(s.waits_for) & pieces for s in segments if s.block is not None)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_batchnorm_statistics_updates_do_not_cut_a_stage_into_pieces(inner):
+    """BatchNorm's running-statistics updates (main-stream nodes that only feed the ``copy_``
+    writing the buffers back) sit between a stage's nodes in the forward's order; they run
+    right before that write instead, so each stage stays one segment."""
+    from test_stock_inductor import DetachedConvStages
+
+    inputs = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    stages = Stages(DetachedConvStages(), inputs,
+                    EraseConfig(inner=inner, stages_on_side=True), inner=inner)
+    segments = stages.segmented.segments
+    assert [(s.stream, s.block, s.stage) for s in segments] == [
+        (1, 0, True), (1, 0, False), (2, 1, True), (2, 1, False), (0, None, False),
+        (0, None, False),
+    ]
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    assert_outputs_close(list(stages.segmented.gm(*args)), list(stages.fw(*args)))
