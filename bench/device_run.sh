@@ -24,6 +24,9 @@
 #                                      models (random ops in stages on side streams), then
 #                                      ResNet-18 DGL with stages on side vs on main, and two side
 #                                      streams on gpt:16:384:256:8 and ctr:16384 (~9 min)
+#   bash bench/device_run.sh vision-f  stages forced on side streams against the default (auto:
+#                                      on main there) on DGL ResNet-18 and MobileNetV3, after
+#                                      BatchNorm's updates stopped cutting stages (~8 min)
 #   bash bench/device_run.sh vision-a  torchvision ResNet-18, DGL (detached stages) and as shipped:
 #                                      the step API and the hand capture of inductor and erase,
 #                                      reduce-overhead and erase's own graphs, inductor and erase
@@ -71,8 +74,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e) ;;
-  vision-a|vision-b|vision-c|vision-d) ;;
-  vision-e) ;;
+  vision-a|vision-b|vision-c|vision-d|vision-e|vision-f) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -131,6 +133,9 @@ case "$1" in
       --trials 5 || true
     timeout 60 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       | tee "$OUT/held-to-join.md" ;;
+  vision-f)
+    run vision-f tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 \
+      inductor+step,erase+step,erase+step/stages-on-side --sweep-configs '' --trials 5 ;;
   memory-e)
     timeout 220 python3 -m bench.check_models --budget-s 190 --models gpt-dropout,ctr-dropout \
       --out "$OUT/models-dropout.json" 2>&1 | tee "$OUT/models-dropout.log" || true

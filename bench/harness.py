@@ -34,9 +34,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   stream, same segments and kernels: what the overlap alone is worth),
   ``/streams=N`` (N side streams), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
-  last reader instead of at the join), ``/stages-on-main``
-  (``options={"stages_on_side": False}``: each block's stage on the main
-  stream, the layout before stages moved to the side streams), ``/aot_eager``
+  last reader instead of at the join), ``/stages-on-main`` and
+  ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
+  block's stage on the main stream, or on the block's side stream, whatever
+  the default's rule decides), ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
   eager).
 
@@ -64,7 +65,7 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
             "step": ("inductor", "erase")}
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
-CONTROLS = ("one-stream", "stages-on-main", "aot_eager")  # and streams=N, release-lag=N
+CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "aot_eager")  # and streams=N, release-lag=N
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -165,8 +166,8 @@ class Variant:
         options: dict[str, Any] = {"inner": "inductor", "cudagraphs": self.capture == "graphs"}
         if self.control == "one-stream":
             options["overlap"] = False
-        elif self.control == "stages-on-main":
-            options["stages_on_side"] = False
+        elif self.control in ("stages-on-main", "stages-on-side"):
+            options["stages_on_side"] = self.control == "stages-on-side"
         elif self.control == "aot_eager":
             options["inner"] = "aot_eager"
         elif self.control is not None:
