@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.passes import BlockAnalysis, stream_of_block
+from erase_fx.passes import BlockAnalysis, stages_go_to_side_streams, stream_of_block
 from erase_fx.passes.split_at_sums import module_path
 
 
@@ -97,6 +97,9 @@ class GraphReport:
         early_flops: estimated FLOPs of the backward that runs early.
         streams: how many side streams the config allows.
         inner: the inner compiler.
+        stages_on_side: the blocks' stages run on their side streams
+            (`EraseConfig.stages_on_side`; blocks in pieces keep theirs on the
+            main stream).
     """
 
     graph_id: int
@@ -107,6 +110,7 @@ class GraphReport:
     early_flops: int = 0
     streams: int = 0
     inner: str = ""
+    stages_on_side: bool = False
 
     @property
     def early_share(self) -> float:
@@ -159,6 +163,8 @@ class GraphReport:
             early_flops=analysis.early_flops,
             streams=cfg.streams,
             inner=cfg.inner,
+            stages_on_side=bool(analysis.blocks)
+            and stages_go_to_side_streams(cfg, len(analysis.blocks)),
         )
 
     def with_fallback(self, reason: str) -> GraphReport:

@@ -112,6 +112,7 @@ def _heading(report: GraphReport, number: int) -> str:
         f"{report.early_share:.0%} of the backward FLOPs run early "
         f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
         f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
+        + (", each block's stage on its side stream" if report.stages_on_side else "")
     )
 
 

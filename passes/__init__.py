@@ -24,7 +24,7 @@ On the backward module::
     defer_grad_scaling          backward -> backward returning early grads unscaled + scales
                                 + DeferredScaling
 """
-from erase_fx.passes.assign_streams import assign_streams, stream_of_block
+from erase_fx.passes.assign_streams import assign_streams, stages_go_to_side_streams, stream_of_block
 from erase_fx.passes.defer_grad_scaling import DeferredScaling, ScaledGrad, defer_grad_scaling
 from erase_fx.passes.find_stop_gradient_blocks import (
     Block,
@@ -90,5 +90,6 @@ __all__ = [
     "split_at_sums",
     "split_segments",
     "stock_partition",
+    "stages_go_to_side_streams",
     "stream_of_block",
 ]

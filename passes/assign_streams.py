@@ -71,7 +71,15 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import clone_module
-from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta, set_meta, update_meta
+from erase_fx.passes.node_meta import (
+    MAIN_STREAM,
+    NodeMeta,
+    Role,
+    get_meta,
+    is_early,
+    set_meta,
+    update_meta,
+)
 from erase_fx.passes.pass_result import PassResult
 
 PASS_NAME = "assign_streams"
@@ -93,7 +101,8 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
     _move_shared_early_nodes_to_main(nodes, owner)
     _pull_heads_into_blocks(nodes, owner)
     stage: set[fx.Node] = set()
-    if stages_go_to_side_streams(cfg, len({b for b in owner.values() if b is not None})):
+    blocks = {get_meta(n).block for n in nodes if is_early(n)}
+    if stages_go_to_side_streams(cfg, len(blocks)):
         stage = _pull_stages_into_blocks(nodes, owner)
     _keep_getitems_with_producers(nodes, owner, stage)
 

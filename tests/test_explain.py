@@ -6,6 +6,7 @@ import torch
 
 import erase_fx
 from erase_fx import GraphReport
+from erase_fx.report_text import format_report
 from graphs import BatchNormBlocks, Chain, TwoBlockOneLoss, chain_inputs, two_block_inputs
 
 
@@ -25,6 +26,16 @@ def test_chain_of_k_stages_reports_k_minus_1_early_blocks(stages):
     assert last.reason == "last_block"
     assert last.params[0].startswith(f"stages.{stages - 1}.")
     assert 0 < report.early_share < 1
+
+
+@pytest.mark.parametrize("stages, streams, on_side", [(3, 4, False), (6, 4, True), (4, 2, True),
+                                                      (6, 1, False)])
+def test_the_report_says_whether_stages_run_on_side_streams(stages, streams, on_side):
+    """By default stages go to side streams when early blocks outnumber them (K - 1 > streams)."""
+    (report,) = erase_fx.explain(Chain(stages), *chain_inputs(), erase_options={"streams": streams})
+    assert report.stages_on_side is on_side
+    text = format_report(report)
+    assert ("each block's stage on its side stream" in text) is on_side
 
 
 def test_a_single_loss_reports_the_stock_path():
