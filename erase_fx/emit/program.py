@@ -6,13 +6,16 @@ numbered slots, and each slot is cleared after its last reader, so tensors
 die as early as in the unsplit graph. Calling it runs the steps in launch
 order; `streams.StreamOps` decides what a step on a side stream means:
 
-- on CUDA (`CudaStreams`), a side step forks from the main stream
-  (``side.wait_stream(main)``: its inputs are ready), marks every input
-  tensor as used by the side stream (``record_stream``: the caching allocator
-  will not hand the memory out again before the side stream is done with it),
-  and runs under ``torch.cuda.stream(side)``; at the end the main stream
-  waits for every side stream used (the join) and marks the side-stream
-  outputs as used by the main stream;
+- on CUDA (`CudaStreams`), the side streams first wait for the main stream
+  (the fork: the inputs are ready); a step that reads outputs of steps on
+  other streams waits for the event each recorded right after it was
+  launched (the latest one per stream: a stream's events fire in order),
+  outside capture marks every input tensor as used by its stream
+  (``record_stream``: the caching allocator will not hand the memory out
+  again before that stream is done with it), and a side step runs under
+  ``torch.cuda.stream(side)``; at the end the main stream waits for every
+  side stream used (the join) and marks the side-stream outputs as used by
+  the main stream;
 - on CPU (`VirtualStreams`), streams are virtual and the same steps simply
   run in order.
 
