@@ -140,9 +140,9 @@ def stages_go_to_side_streams(cfg: EraseConfig, num_blocks: int) -> bool:
     block's activations for the next. With a block per stream nothing is
     reused, and per-stream memory pools and the extra events only cost
     (measured on an H200: DGL ResNet-18, 3 blocks on 4 streams, 5% slower and
-    9% more step memory than with its stages on the main stream; part of
-    that was BatchNorm's statistics updates cutting each stage into three
-    segments, since fixed in split_segments and not re-measured).
+    9% more step memory than with its stages on the main stream, when
+    BatchNorm's statistics updates still cut each stage into three segments;
+    that is fixed in split_segments, not re-measured).
     """
     if cfg.streams < 2:
         return False  # NB: a block's stage would queue behind the block before it
