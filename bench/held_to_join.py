@@ -39,6 +39,7 @@ import torch
 
 from bench.models import build_config, parse_config
 from erase_fx.emit import program as program_module
+from erase_fx.emit.release import SlotUses, StepIO
 from erase_fx.passes import MAIN_STREAM
 
 KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
@@ -46,11 +47,9 @@ KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned
 
 def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]:
     """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
-    producer = {slot: step.stream for step in program.steps for slot in step.outputs if slot >= 0}
-    readers: dict[int, set[int]] = {}
-    for step in program.steps:
-        for slot in step.inputs:
-            readers.setdefault(slot, set()).add(step.stream)
+    uses = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs) for s in program.steps])
+    producer = {slot: program.steps[k].stream for slot, k in uses.producer.items()}
+    readers = {slot: {program.steps[k].stream for k in ks} for slot, ks in uses.readers.items()}
     returned = {slot for kind, slot in program.results if kind == "slot"}
     seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
             if isinstance(v, torch.Tensor)}

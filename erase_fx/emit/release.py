@@ -52,6 +52,27 @@ class StepIO:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotUses:
+    """Which step makes each slot and which steps read it (step indices, in launch order);
+    shared by the release plan and the tools that explain it (``bench.held_to_join``)."""
+
+    producer: dict[int, int]
+    readers: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, steps: Sequence[StepIO]) -> SlotUses:
+        producer: dict[int, int] = {}
+        readers: dict[int, list[int]] = {}
+        for k, step in enumerate(steps):
+            for slot in step.inputs:
+                readers.setdefault(slot, []).append(k)
+            for slot in step.outputs:
+                if slot >= 0:
+                    producer[slot] = k
+        return cls(producer, readers)
+
+
+@dataclasses.dataclass(frozen=True)
 class CapturePlan:
     """Per step (by index), what a captured run does around it.
 
@@ -86,14 +107,8 @@ def plan_captured_releases(
     """
     if release_lag is not None and release_lag < 1:
         raise ValueError(f"release_lag must be >= 1, not {release_lag}")
-    producer: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
-    for k, step in enumerate(steps):
-        for slot in step.inputs:
-            readers.setdefault(slot, []).append(k)
-        for slot in step.outputs:
-            if slot >= 0:
-                producer[slot] = k
+    uses = SlotUses.of(steps)
+    producer, readers = uses.producer, uses.readers
     main_steps = [k for k, step in enumerate(steps) if step.stream == MAIN_STREAM]
 
     drops_after: list[list[int]] = [[] for _ in steps]
