@@ -24,6 +24,13 @@ what they are:
 - ``returned``: the forward's outputs (gradients of early blocks, tensors
   saved for the backward): held by autograd whatever the program does.
 
+It also prints, per stream, the high-water mark of those values (the most
+bytes made on that stream alive at once): under capture memory freed on a
+stream is reused only by that stream, so the step's pool needs about their
+sum, plus what the segments allocate inside (not seen here: a head's
+log-softmax within a block's segment, say). ``--streams 4,2`` compares side
+stream counts.
+
 Storage shared with the forward's inputs (parameters, views of them) is not
 counted. Bytes are of the config's dtype on CPU (no autocast): a config run
 in bf16 on a GPU holds about half as many bytes for its activations.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 
@@ -74,46 +82,93 @@ def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]
     return held
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[list[dict[str, int]]]:
-    """Every `StreamProgram` run inside takes the captured path (its release plan), and
-    reports what it holds at the join.
+@dataclasses.dataclass
+class Held:
+    """What one training step's captured forwards hold.
 
-    NB: an observer around the program's private ``_run_captured`` and
-    ``_capturing`` (bench only): it changes when memory is freed, never what
-    is computed.
+    Attributes:
+        kinds: bytes held at the join, by kind (`KINDS`), summed over the programs.
+        stream_peaks: per stream, the most bytes of values the segments hand each other
+            that were alive at once, allocated on that stream (the forward's returns
+            included; the segments' own temporaries not seen); the largest over the
+            programs. Under capture memory freed on a stream is reused only by that
+            stream, so a pool needs about the sum of these (plus temporaries).
     """
-    found: list[dict[str, int]] = []
+
+    kinds: dict[str, int]
+    stream_peaks: dict[int, int]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Held]]:
+    """Every `StreamProgram` run inside takes the captured path (its release plan), and
+    reports what it holds at the join and each stream's high-water mark.
+
+    NB: an observer around the program's private ``_run_captured``, ``_launch`` and
+    ``_capturing`` (bench only): it changes when memory is freed, never what is computed.
+    """
+    found: list[Held] = []
     original, capturing = program_module.StreamProgram._run_captured, program_module._capturing
+    launch = program_module.StreamProgram._launch
+    peaks: dict[int, int] = {}
+
+    def launch_watching(self, k, step, env, events, record=False):
+        launch(self, k, step, env, events, record)
+        for stream, size in live_bytes_by_stream(self, env).items():
+            peaks[stream] = max(peaks.get(stream, 0), size)
 
     def run_captured(self, env, context=None):
+        peaks.clear()
         original(self, env, context)
-        found.append(classify(self, env))
+        found.append(Held(classify(self, env), dict(peaks)))
 
     program_module.StreamProgram._run_captured = run_captured
+    program_module.StreamProgram._launch = launch_watching
     program_module._capturing = lambda: True
     try:
         yield found
     finally:
         program_module.StreamProgram._run_captured = original
+        program_module.StreamProgram._launch = launch
         program_module._capturing = capturing
 
 
+def live_bytes_by_stream(program: program_module.StreamProgram, env: list) -> dict[int, int]:
+    """Bytes of the slots alive in ``env``, by the stream of the step that made them (memory
+    shared with the forward's inputs not counted, shared memory counted once)."""
+    made_on = {slot: program.steps[k].stream
+               for slot, k in SlotUses.of([StepIO(s.stream, s.inputs, s.outputs)
+                                           for s in program.steps]).producer.items()}
+    seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
+            if isinstance(v, torch.Tensor)}
+    live: dict[int, int] = {}
+    for slot, value in enumerate(env):
+        if slot < program.num_inputs or slot not in made_on or not isinstance(value, torch.Tensor):
+            continue
+        key = value.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            live[made_on[slot]] = live.get(made_on[slot], 0) + value.untyped_storage().nbytes()
+    return live
+
+
 def measure(text: str, device: torch.device, inner: str = "inductor",
-            stages_on_side: bool = True) -> dict[str, int]:
-    """Bytes held to the join by kind, summed over the programs of one training step."""
+            stages_on_side: bool = True, streams: int = 4) -> Held:
+    """What one training step's forwards hold; see `Held`."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = build_config(parse_config(text), device)
     fn = torch.compile(model, backend="erase",
                        options={"on_error": "raise", "cudagraphs": False, "inner": inner,
-                                "stages_on_side": stages_on_side})
+                                "stages_on_side": stages_on_side, "streams": streams})
     with recording() as found:
         fn(*inputs).backward()
-    total = dict.fromkeys(KINDS, 0)
+    total = Held(dict.fromkeys(KINDS, 0), {})
     for held in found:
-        for kind, size in held.items():
-            total[kind] += size
+        for kind, size in held.kinds.items():
+            total.kinds[kind] += size
+        for stream, size in held.stream_peaks.items():
+            total.stream_peaks[stream] = max(total.stream_peaks.get(stream, 0), size)
     return total
 
 
@@ -124,16 +179,23 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--inner", default="inductor",
                         help="erase's inner compiler (inductor: the segments a user gets)")
+    parser.add_argument("--streams", default="4",
+                        help="comma-separated side-stream counts to compare")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print("| config | stages | " + " | ".join(f"{k} MiB" for k in KINDS) + " |")
-    print("|---|---|" + "---|" * len(KINDS))
+    print("| config | side streams | stages | " + " | ".join(f"{k} MiB" for k in KINDS)
+          + " | stream peaks MiB (main, side 1, ...) | their sum MiB |")
+    print("|---|---|---|" + "---|" * len(KINDS) + "---|---|")
     for text in args.configs.split(","):
-        for on_side in (True, False):
-            held = measure(text, device, args.inner, on_side)
-            where = "on side streams" if on_side else "on the main stream"
-            print(f"| {text} | {where} | "
-                  + " | ".join(f"{held[k] / 2**20:.1f}" for k in KINDS) + " |", flush=True)
+        for streams in (int(n) for n in args.streams.split(",")):
+            for on_side in (True, False):
+                held = measure(text, device, args.inner, on_side, streams)
+                where = "on side streams" if on_side else "on the main stream"
+                peaks = [held.stream_peaks.get(s, 0) for s in range(streams + 1)]
+                print(f"| {text} | {streams} | {where} | "
+                      + " | ".join(f"{held.kinds[k] / 2**20:.1f}" for k in KINDS)
+                      + " | " + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
+                      + f" | {sum(peaks) / 2**20:.0f} |", flush=True)
     return 0
 
 

@@ -9,7 +9,7 @@ def held():
     # NB: aot_eager keeps the cross-entropy whole (fast); the tail of an Inductor-decomposed
     # loss is pinned in tests/test_assign_streams.py
     cpu = held_to_join.torch.device("cpu")
-    return {on_side: held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", on_side)
+    return {on_side: held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", on_side).kinds
             for on_side in (False, True)}
 
 
@@ -33,12 +33,30 @@ def test_with_stages_on_side_streams_only_stage_outputs_cross_and_activations_ar
     assert on_side["returned"] == on_main["returned"]
 
 
+def test_each_streams_high_water_mark_shows_where_the_activations_are_made():
+    """Stages on the main stream: the main stream makes every block's activations and holds
+    them to the join; on side streams each side stream makes its blocks' and frees them
+    after each block's backward: the main stream's high-water mark drops by what it held
+    for the blocks, and the sum over streams drops too."""
+    cpu = held_to_join.torch.device("cpu")
+    on_main = held_to_join.measure("gpt:4:64:128:5", cpu, "aot_eager", False, 2)
+    on_side = held_to_join.measure("gpt:4:64:128:5", cpu, "aot_eager", True, 2)
+    moved = on_main.kinds["main -> side"]
+    assert moved > 0 and on_side.kinds["main -> side"] == 0
+    assert on_main.stream_peaks[0] - on_side.stream_peaks[0] >= 0.9 * moved
+    assert sum(on_side.stream_peaks.values()) < sum(on_main.stream_peaks.values())
+    assert set(on_side.stream_peaks) == {0, 1, 2}
+
+
 def test_the_observer_restores_the_program_after_it():
     from erase_fx.emit import program
 
     original, capturing = program.StreamProgram._run_captured, program._capturing
+    launch = program.StreamProgram._launch
     with held_to_join.recording() as found:
         assert program.StreamProgram._run_captured is not original
+        assert program.StreamProgram._launch is not launch
         assert program._capturing is not capturing
     assert program.StreamProgram._run_captured is original and program._capturing is capturing
+    assert program.StreamProgram._launch is launch
     assert found == []
