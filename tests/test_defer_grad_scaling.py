@@ -215,3 +215,30 @@ def test_with_inductor_every_early_grad_is_deferred(monkeypatch, make_model, mak
     eager(*inputs).backward(torch.tensor(2.0))
     assert seen and all(found == deferred > 0 for found, deferred in seen), seen
     assert_same_grads(eager, model, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_early_grads_reach_grad_without_a_copy(inner, monkeypatch):
+    """Each early block's gradient is the tensor its forward made: the backward scales it in
+    place (not at all at T == seed) and AccumulateGrad takes it as ``.grad``, so no second
+    copy of the early gradients exists at any time."""
+    from erase_fx.emit import program
+
+    made: set[int] = set()
+    run = program.StreamProgram.__call__
+
+    def call(self, args):
+        outputs = run(self, args)
+        made.update(t.untyped_storage().data_ptr() for t in outputs if torch.is_tensor(t))
+        return outputs
+
+    monkeypatch.setattr(program.StreamProgram, "__call__", call)
+    torch._dynamo.reset()
+    model = Chain(3)
+    compiled = torch.compile(model, backend="erase", options={"inner": inner, "on_error": "raise"})
+    compiled(*chain_inputs()).backward()
+    early = [p for name, p in model.named_parameters() if name.split(".")[1] in ("0", "1")]
+    assert len(early) == 16
+    assert all(p.grad.untyped_storage().data_ptr() in made for p in early)
+    late = [p for name, p in model.named_parameters() if name.split(".")[1] == "2"]
+    assert not any(p.grad.untyped_storage().data_ptr() in made for p in late)
