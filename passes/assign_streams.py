@@ -70,7 +70,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.graph import clone_module
+from erase_fx.passes.graph import clone_module, output_descriptors
 from erase_fx.passes.node_meta import (
     MAIN_STREAM,
     NodeMeta,
@@ -165,7 +165,7 @@ def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict) -> None:
 
 def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
     """Forward nodes only one block needs (its head and local loss) join that block."""
-    returned = _returned_to_the_user(nodes[-1])
+    returned = _returned_to_the_user(nodes[-1].graph)
     if returned is None:
         return  # NB: without output descriptors, nothing moves: the safe schedule
     feeds_output_only = _feeds_output_only(nodes, owner, returned)
@@ -316,15 +316,14 @@ def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict, stage: set[
                     stage.discard(node)
 
 
-def _returned_to_the_user(output: fx.Node) -> set[fx.Node] | None:
+def _returned_to_the_user(graph: fx.Graph) -> set[fx.Node] | None:
     """The output values that are forward returns, not saved for the backward (None: unknown)."""
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
-    descs = output.meta.get("desc")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    if descs is None or len(descs) != len(values):
+    described = output_descriptors(graph)
+    if described is None:
         return None
-    return {v for v, d in zip(values, descs)
+    return {v for v, d in described
             if isinstance(v, fx.Node) and not isinstance(d, SavedForBackwardsAOTOutput)}
 
 

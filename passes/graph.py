@@ -34,6 +34,17 @@ def output_values(graph: fx.Graph) -> list[Any]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def output_descriptors(graph: fx.Graph) -> list[tuple[Any, Any]] | None:
+    """Each value the graph returns with its AOTAutograd output descriptor (``desc`` on the
+    output node: what the value is, e.g. saved for the backward, an input's new value);
+    None when the graph has no descriptors, or not one per value."""
+    descs = output_node(graph).meta.get("desc")
+    values = output_values(graph)
+    if descs is None or len(descs) != len(values):
+        return None
+    return list(zip(values, descs))
+
+
 def primals(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.find_nodes(op="placeholder") if is_primal(n)]
 

@@ -56,7 +56,7 @@ from torch.fx.passes.split_module import split_module
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.graph import rebuild_in_order
+from erase_fx.passes.graph import output_descriptors, rebuild_in_order
 from erase_fx.passes.node_meta import MAIN_STREAM, get_meta
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
@@ -112,8 +112,10 @@ class Segments:
 
 
 @dataclasses.dataclass(frozen=True)
-class SegmentedForward(PassResult):
-    segments: tuple[Segment, ...] = ()
+class SegmentedForward(PassResult[Segments]):
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.artifact.segments
 
     def segment(self, name: str) -> Segment:
         return next(s for s in self.segments if s.name == name)
@@ -154,8 +156,7 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
     segments = _name_and_box_segments(split, segment_of_key)
     split.graph.lint()
     split.recompile()
-    return SegmentedForward(split, modified=True, artifact=Segments(segments),
-                            segments=segments)
+    return SegmentedForward(split, modified=True, artifact=Segments(segments))
 
 
 def pieces_of_side_nodes(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -257,7 +258,7 @@ def _feeding_mutations_only(nodes: list[fx.Node]) -> set[fx.Node]:
     an extra launch and sync; it is emitted right before the update that
     reads it instead (nothing else waits for it).
     """
-    written_back = _returned_as_input_mutations_only(nodes[-1])
+    written_back = _returned_as_input_mutations_only(nodes[-1].graph)
     feeds: set[fx.Node] = set()
     for node in reversed(nodes):
         meta = get_meta(node)
@@ -272,17 +273,13 @@ def _feeding_mutations_only(nodes: list[fx.Node]) -> set[fx.Node]:
     return feeds
 
 
-def _returned_as_input_mutations_only(output: fx.Node) -> set[fx.Node]:
+def _returned_as_input_mutations_only(graph: fx.Graph) -> set[fx.Node]:
     """Output values that are only new values of mutated inputs (AOTAutograd writes them
     back after the forward, when the graph does not do it itself with ``copy_``)."""
     from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 
-    descs = output.meta.get("desc")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    if descs is None or len(descs) != len(values):
-        return set()
     kinds: dict[fx.Node, set[bool]] = {}
-    for value, desc in zip(values, descs):
+    for value, desc in output_descriptors(graph) or ():
         if isinstance(value, fx.Node):
             kinds.setdefault(value, set()).add(isinstance(desc, InputMutationAOTOutput))
     return {value for value, mutation in kinds.items() if mutation == {True}}
