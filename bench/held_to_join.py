@@ -53,23 +53,44 @@ from erase_fx.passes import MAIN_STREAM
 KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
 
 
-def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]:
-    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
-    uses = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs) for s in program.steps])
-    producer = {slot: program.steps[k].stream for slot, k in uses.producer.items()}
-    readers = {slot: {program.steps[k].stream for k in ks} for slot, ks in uses.readers.items()}
-    returned = {slot for kind, slot in program.results if kind == "slot"}
+@dataclasses.dataclass(frozen=True)
+class SlotStreams:
+    """Per slot of a program: the stream that made it, and the streams that read it."""
+
+    made_on: dict[int, int]
+    read_on: dict[int, set[int]]
+
+    @classmethod
+    def of(cls, program: program_module.StreamProgram) -> SlotStreams:
+        steps = program.steps
+        uses = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs) for s in steps])
+        return cls({slot: steps[k].stream for slot, k in uses.producer.items()},
+                   {slot: {steps[k].stream for k in ks} for slot, ks in uses.readers.items()})
+
+
+def _own_storages(program: program_module.StreamProgram, env: list) -> Iterator[tuple[int, int]]:
+    """``(slot, bytes)`` of each storage the program's slots hold in ``env``, once each, leaving
+    out memory shared with the forward's inputs (parameters, views of them)."""
     seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
             if isinstance(v, torch.Tensor)}
-    held = dict.fromkeys(KINDS, 0)
     for slot, value in enumerate(env):
         if slot < program.num_inputs or not isinstance(value, torch.Tensor):
             continue
         key = value.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        home, read_on = producer.get(slot, MAIN_STREAM), readers.get(slot, set())
+        if key not in seen:
+            seen.add(key)
+            yield slot, value.untyped_storage().nbytes()
+
+
+def classify(program: program_module.StreamProgram, env: list,
+             streams: SlotStreams | None = None) -> dict[str, int]:
+    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
+    streams = streams or SlotStreams.of(program)
+    returned = {slot for kind, slot in program.results if kind == "slot"}
+    held = dict.fromkeys(KINDS, 0)
+    for slot, size in _own_storages(program, env):
+        home = streams.made_on.get(slot, MAIN_STREAM)
+        read_on = streams.read_on.get(slot, set())
         if slot in returned:
             kind = "returned"
         elif read_on <= {home}:
@@ -78,7 +99,7 @@ def classify(program: program_module.StreamProgram, env: list) -> dict[str, int]
             kind = "main -> side"
         else:
             kind = "side -> main" if MAIN_STREAM in read_on else "side -> side"
-        held[kind] += value.untyped_storage().nbytes()
+        held[kind] += size
     return held
 
 
@@ -111,16 +132,18 @@ def recording() -> Iterator[list[Held]]:
     original, capturing = program_module.StreamProgram._run_captured, program_module._capturing
     launch = program_module.StreamProgram._launch
     peaks: dict[int, int] = {}
+    streams: dict[int, SlotStreams] = {}  # id(program) -> its slots' streams, once per run
 
     def launch_watching(self, k, step, env, events, record=False):
         launch(self, k, step, env, events, record)
-        for stream, size in live_bytes_by_stream(self, env).items():
+        for stream, size in live_bytes_by_stream(self, env, streams[id(self)]).items():
             peaks[stream] = max(peaks.get(stream, 0), size)
 
     def run_captured(self, env, context=None):
         peaks.clear()
+        streams[id(self)] = SlotStreams.of(self)
         original(self, env, context)
-        found.append(Held(classify(self, env), dict(peaks)))
+        found.append(Held(classify(self, env, streams.pop(id(self))), dict(peaks)))
 
     program_module.StreamProgram._run_captured = run_captured
     program_module.StreamProgram._launch = launch_watching
@@ -133,22 +156,15 @@ def recording() -> Iterator[list[Held]]:
         program_module._capturing = capturing
 
 
-def live_bytes_by_stream(program: program_module.StreamProgram, env: list) -> dict[int, int]:
+def live_bytes_by_stream(program: program_module.StreamProgram, env: list,
+                         streams: SlotStreams | None = None) -> dict[int, int]:
     """Bytes of the slots alive in ``env``, by the stream of the step that made them (memory
     shared with the forward's inputs not counted, shared memory counted once)."""
-    made_on = {slot: program.steps[k].stream
-               for slot, k in SlotUses.of([StepIO(s.stream, s.inputs, s.outputs)
-                                           for s in program.steps]).producer.items()}
-    seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
-            if isinstance(v, torch.Tensor)}
+    made_on = (streams or SlotStreams.of(program)).made_on
     live: dict[int, int] = {}
-    for slot, value in enumerate(env):
-        if slot < program.num_inputs or slot not in made_on or not isinstance(value, torch.Tensor):
-            continue
-        key = value.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            live[made_on[slot]] = live.get(made_on[slot], 0) + value.untyped_storage().nbytes()
+    for slot, size in _own_storages(program, env):
+        if slot in made_on:
+            live[made_on[slot]] = live.get(made_on[slot], 0) + size
     return live
 
 
