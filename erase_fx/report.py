@@ -169,7 +169,8 @@ class GraphReport:
 
     def with_fallback(self, reason: str) -> GraphReport:
         """The report of a graph that took the stock path: no early block."""
-        return dataclasses.replace(self, blocks=(), early_flops=0, fallback_reason=reason)
+        return dataclasses.replace(self, blocks=(), early_flops=0, stages_on_side=False,
+                                   fallback_reason=reason)
 
     def summary(self) -> str:
         """One line: what the logger prints per compiled graph."""

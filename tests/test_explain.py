@@ -38,6 +38,13 @@ def test_the_report_says_whether_stages_run_on_side_streams(stages, streams, on_
     assert ("each block's stage on its side stream" in text) is on_side
 
 
+def test_a_graph_that_falls_back_runs_no_stage_on_a_side_stream():
+    (report,) = erase_fx.explain(Chain(6), *chain_inputs())
+    fallen = report.with_fallback("injected")
+    assert report.stages_on_side and not fallen.stages_on_side
+    assert "stage on its side stream" not in format_report(fallen)
+
+
 def test_a_single_loss_reports_the_stock_path():
     (report,) = erase_fx.explain(TwoBlockOneLoss(), *two_block_inputs())
     assert report.blocks == () and report.fallback_reason == "no early block"
