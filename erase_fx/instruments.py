@@ -14,12 +14,13 @@ pass's `PassResult` renders its own: `PassResult.render`) into
     02_schedule_early_backward.py     the rewritten joint graph
     03_partition_joint_graph.fwd.py   the forward and backward modules
     03_partition_joint_graph.bwd.py
-    04_assign_streams.py              the forward, with streams in comments
-    05_split_segments.py              the split module, then one file per segment
-    05_split_segments.seg_<k>_....py
-    05_split_segments.segments.json
-    06_bwd.py                         the backward AOT hands over (at the first backward)
-    07_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
+    04_copy_input_values_per_block.py the forward, large input-only values copied per block
+    05_assign_streams.py              the forward, with streams in comments
+    06_split_segments.py              the split module, then one file per segment
+    06_split_segments.seg_<k>_....py
+    06_split_segments.segments.json
+    07_bwd.py                         the backward AOT hands over (at the first backward)
+    08_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
     report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
     schedule.dot                      the forward after assign_streams, drawn (needs pydot)

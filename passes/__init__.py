@@ -16,6 +16,8 @@ On the AOT joint graph::
 
 On the forward module::
 
+    copy_input_values_per_block forward -> forward where each block makes its own copy of a
+                                large value made from inputs alone that others read too
     assign_streams              forward -> forward with streams and sync points
     split_segments              forward -> split module + ordered per-stream segments
 
@@ -39,6 +41,10 @@ from erase_fx.passes.partition_joint_graph import (
     JointPartition,
     partition_joint_graph,
     stock_partition,
+)
+from erase_fx.passes.copy_input_values_per_block import (
+    InputValueCopies,
+    copy_input_values_per_block,
 )
 from erase_fx.passes.pass_result import Artifact, DumpFile, PassResult
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
@@ -65,6 +71,7 @@ __all__ = [
     "Component",
     "DeferredScaling",
     "DumpFile",
+    "InputValueCopies",
     "JointPartition",
     "Meeting",
     "NodeMeta",
@@ -80,6 +87,7 @@ __all__ = [
     "Segments",
     "TermSplit",
     "assign_streams",
+    "copy_input_values_per_block",
     "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",

@@ -5,7 +5,7 @@ AOTAutograd hands erase_fx three modules at three times
 first ``.backward()``, the backward. Each has its list of passes, in order::
 
     JOINT_PASSES     find_stop_gradient_blocks > schedule_early_backward > partition_joint_graph
-    FORWARD_PASSES   assign_streams > split_segments
+    FORWARD_PASSES   copy_input_values_per_block > assign_streams > split_segments
     BACKWARD_PASSES  defer_grad_scaling
 
 `run_passes` runs one list over a module with the config: each pass reads the
@@ -37,6 +37,10 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.assign_streams import assign_streams, check_stream_assignment
+from erase_fx.passes.copy_input_values_per_block import (
+    check_input_values_per_block,
+    copy_input_values_per_block,
+)
 from erase_fx.passes.defer_grad_scaling import check_deferred_scaling, defer_grad_scaling
 from erase_fx.passes.find_stop_gradient_blocks import (
     BlockAnalysis,
@@ -170,6 +174,14 @@ def _check_partition(result: PassResult, context: PassContext) -> None:
     check_partition(result.artifact.bw)
 
 
+def _copy_input_values(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return copy_input_values_per_block(gm, context.cfg)
+
+
+def _check_input_values(result: PassResult, context: PassContext) -> None:
+    check_input_values_per_block(result)
+
+
 def _assign_streams(gm: fx.GraphModule, context: PassContext) -> PassResult:
     return assign_streams(gm, context.cfg)
 
@@ -198,6 +210,8 @@ FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", _find_blocks, _che
 SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", _schedule, _check_schedule,
                                runs_if=_found_blocks)
 PARTITION_JOINT_GRAPH = Pass("partition_joint_graph", _partition, _check_partition)
+COPY_INPUT_VALUES_PER_BLOCK = Pass("copy_input_values_per_block", _copy_input_values,
+                                   _check_input_values)
 ASSIGN_STREAMS = Pass("assign_streams", _assign_streams, _check_streams)
 SPLIT_SEGMENTS = Pass("split_segments", _split_segments, _check_segments)
 DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_deferred)
@@ -207,8 +221,8 @@ DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_defe
 #: an early block; the caller then partitions with the stock partitioner.
 JOINT_PASSES: tuple[Pass, ...] = (
     FIND_STOP_GRADIENT_BLOCKS, SCHEDULE_EARLY_BACKWARD, PARTITION_JOINT_GRAPH)
-#: On the forward AOT hands over, when it holds early nodes; assign_streams runs after the
-#: stock partitioner, whose CSE can merge a block's node with a forward node.
-FORWARD_PASSES: tuple[Pass, ...] = (ASSIGN_STREAMS, SPLIT_SEGMENTS)
+#: On the forward AOT hands over, when it holds early nodes; these run after the stock
+#: partitioner, whose CSE can merge a block's node with a forward node or another block's.
+FORWARD_PASSES: tuple[Pass, ...] = (COPY_INPUT_VALUES_PER_BLOCK, ASSIGN_STREAMS, SPLIT_SEGMENTS)
 #: On the backward, at the first ``.backward()``, when the graph has early blocks.
 BACKWARD_PASSES: tuple[Pass, ...] = (DEFER_GRAD_SCALING,)

@@ -573,6 +573,7 @@ class Stages:
         partition = joint["partition_joint_graph"].artifact
         self.fw, self.bw = partition.fw, partition.bw
         forward = run_passes(FORWARD_PASSES, self.fw, cfg)
+        self.copied = forward["copy_input_values_per_block"]
         self.assigned = forward["assign_streams"]
         self.segmented = forward["split_segments"]
 

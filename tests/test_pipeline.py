@@ -103,10 +103,15 @@ def test_every_pass_in_the_lists_returns_a_pass_result_that_renders_its_dump():
         assert len({f.suffix for f in files}) == len(files), name
         assert all(f.suffix.startswith(".") and f.part and f.text.endswith("\n")
                    for f in files), name
-    # every structural pass made something new; the analysis hands its input on
+    # every structural pass made something new; the analysis hands its input on, and so
+    # does copy_input_values_per_block when it has nothing to copy (a small chain)
     ran = dict(runner.ran)
-    assert not ran["find_stop_gradient_blocks"].modified
-    assert all(ran[n].modified for n in ran if n != "find_stop_gradient_blocks")
+    handed_on = ("find_stop_gradient_blocks", "copy_input_values_per_block")
+    assert not any(ran[n].modified for n in handed_on)
+    assert all(ran[n].modified for n in ran if n not in handed_on)
+    forward = results["forward"]
+    assert forward["copy_input_values_per_block"].gm is results["joint"][
+        "partition_joint_graph"].artifact.fw
 
 
 def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
@@ -121,12 +126,16 @@ def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
     joint = results["joint"]
     assert seen[1] == ("schedule_early_backward", joint["find_stop_gradient_blocks"].gm)
     assert seen[2] == ("partition_joint_graph", joint["schedule_early_backward"].gm)
-    assert seen[4] == ("split_segments", results["forward"]["assign_streams"].gm)
+    forward = results["forward"]
+    assert seen[3] == ("copy_input_values_per_block", joint["partition_joint_graph"].artifact.fw)
+    assert seen[4] == ("assign_streams", forward["copy_input_values_per_block"].gm)
+    assert seen[5] == ("split_segments", forward["assign_streams"].gm)
 
 
 CHECKS = [
     ("check_block_analysis", "joint"), ("check_early_schedule", "joint"),
-    ("check_partition", "joint"), ("check_stream_assignment", "forward"),
+    ("check_partition", "joint"), ("check_input_values_per_block", "forward"),
+    ("check_stream_assignment", "forward"),
     ("check_segments", "forward"), ("check_deferred_scaling", "backward"),
 ]
 

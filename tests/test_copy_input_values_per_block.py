@@ -1,0 +1,124 @@
+"""copy_input_values_per_block: a large value made from the labels alone, which every block's
+cross-entropy backward reads once CSE has merged their copies, is made by each block itself."""
+import copy
+import importlib
+
+import pytest
+import torch
+
+from erase_fx.config import EraseConfig
+from erase_fx.errors import GraphInvariantError
+from erase_fx.passes import get_meta, pipeline
+from erase_fx.passes.copy_input_values_per_block import (
+    MIN_BYTES,
+    check_input_values_per_block,
+)
+from erase_fx.passes.graph import val_of
+from graphs import Chain, Stages, assert_same_grads, chain_inputs
+
+# NB: erase_fx.passes exports the pass function under the module's name
+pass_module = importlib.import_module("erase_fx.passes.copy_input_values_per_block")
+
+CLASSES = 8192  # a batch of 64 x 8192 fp32 classes: a 2 MiB mask made from 64 labels
+BATCH = 64
+
+
+def wide_chain_stages(stages_on_side: bool | None = None) -> Stages:
+    torch.manual_seed(0)
+    return Stages(Chain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
+                  EraseConfig(inner="inductor", stages_on_side=stages_on_side), inner="inductor")
+
+
+def large_cross_stream_reads(gm) -> list[tuple[str, str]]:
+    """(producer, reader) of every value of MIN_BYTES or more that a node reads from another
+    stream (what CUDA graph capture holds until the join)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op in ("output", "placeholder"):
+            continue
+        for arg in node.all_input_nodes:
+            value = val_of(arg)
+            if (arg.op != "placeholder" and get_meta(arg).stream != get_meta(node).stream
+                    and isinstance(value, torch.Tensor)
+                    and value.numel() * value.element_size() >= MIN_BYTES):
+                found.append((arg.name, node.name))
+    return found
+
+
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_each_block_makes_its_own_label_mask(stages_on_side):
+    stages = wide_chain_stages(stages_on_side)
+    copies = stages.copied.artifact.copies
+    assert stages.copied.modified and copies
+    # every copied value has one copy per early block that reads it, each that block's own
+    by_name = {n.name: n for n in stages.copied.gm.graph.nodes}
+    for made in copies.values():
+        owners = [get_meta(by_name[name]).block for name in made]
+        assert owners == sorted(set(owners)) and len(owners) == 2
+    assert large_cross_stream_reads(stages.assigned.gm) == []
+
+
+def test_without_the_pass_the_mask_crosses_streams(monkeypatch):
+    """The property above fails when nothing is copied: the mask is made once and read by
+    both early blocks on their side streams."""
+    monkeypatch.setattr(pass_module, "MIN_BYTES", 1 << 40)
+    stages = wide_chain_stages()
+    assert not stages.copied.modified
+    crossing = large_cross_stream_reads(stages.assigned.gm)
+    assert {reader for _, reader in crossing}, crossing
+
+
+def test_small_values_and_returned_values_stay_shared():
+    torch.manual_seed(0)
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="inductor"), inner="inductor")
+    assert not stages.copied.modified and stages.copied.artifact.copies == {}
+
+
+def test_copies_are_made_right_before_their_first_reader():
+    stages = wide_chain_stages()
+    nodes = list(stages.copied.gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for made in stages.copied.artifact.copies.values():
+        for name in made:
+            made_here = next(n for n in nodes if n.name == name)
+            first = min(position[u] for u in made_here.users)
+            between = nodes[position[made_here] + 1:first]
+            # only other copies (of the same block) may sit between a copy and its first reader
+            assert all(n.name.endswith(name[name.rindex("_block_"):]) for n in between), between
+
+
+def test_check_rejects_a_block_reading_another_blocks_copy():
+    stages = wide_chain_stages()
+    result = stages.copied
+    check_input_values_per_block(result)
+    gm = result.gm
+    by_name = {n.name: n for n in gm.graph.nodes}
+    first, second = next(iter(result.artifact.copies.values()))
+    reader = next(iter(by_name[second].users))
+    reader.replace_input_with(by_name[second], by_name[first])
+    with pytest.raises(GraphInvariantError, match="copy_input_values_per_block"):
+        check_input_values_per_block(result)
+
+
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_gradients_match_stock_inductor_with_copies(stages_on_side, monkeypatch):
+    copied = []
+
+    def spy(gm, cfg):
+        result = pass_module.copy_input_values_per_block(gm, cfg)
+        copied.append(result.artifact.copies)
+        return result
+
+    monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
+    torch.manual_seed(1)
+    model = Chain(3, classes=CLASSES)
+    stock = copy.deepcopy(model)
+    inputs = chain_inputs(batch=BATCH, classes=CLASSES)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="erase", options={
+        "inner": "inductor", "on_error": "raise", "stages_on_side": stages_on_side})
+    compiled(*inputs).backward()
+    torch._dynamo.reset()
+    torch.compile(stock)(*inputs).backward()
+    assert copied and copied[0], copied
+    assert_same_grads(stock, model, rtol=1e-4, atol=1e-6)
