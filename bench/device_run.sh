@@ -24,6 +24,12 @@
 #                                      models (random ops in stages on side streams), then
 #                                      ResNet-18 DGL with stages on side vs on main, and two side
 #                                      streams on gpt:16:384:256:8 and ctr:16384 (~9 min)
+#   bash bench/device_run.sh memory-f  each block's own copy of the label mask (the default, since
+#                                      copy_input_values_per_block) against one shared mask
+#                                      (/shared-input-values) and inductor+step: step memory and
+#                                      time on two gpt chains and mlp:512 (no mask: the same
+#                                      program), then bench.held_to_join on CUDA with the
+#                                      largest values held (~7 min)
 #   bash bench/device_run.sh vision-f  stages forced on side streams against the default (auto:
 #                                      on main there) on DGL ResNet-18 and MobileNetV3, after
 #                                      BatchNorm's updates stopped cutting stages (~8 min)
@@ -73,7 +79,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e) ;;
+  bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -133,6 +139,12 @@ case "$1" in
       --trials 5 || true
     timeout 60 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       | tee "$OUT/held-to-join.md" ;;
+  memory-f)
+    timeout 330 python3 -m bench.run --budget-s 280 --out "$OUT/memory-f.json" --streams '' \
+      --configs gpt:16:384:256:8,gpt:8:768:1024:6,mlp:512:1024:2048:6 --sweep-configs '' \
+      --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
+    timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
+      --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
   vision-f)
     run vision-f tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 \
       inductor+step,erase+step,erase+step/stages-on-side --sweep-configs '' --trials 5 ;;

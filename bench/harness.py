@@ -37,7 +37,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   last reader instead of at the join), ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
-  the default's rule decides), ``/aot_eager``
+  the default's rule decides), ``/shared-input-values``
+  (``options={"copy_input_values": False}``: large values made from the
+  inputs alone shared between blocks, as the partitioner left them),
+  ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
   eager).
 
@@ -65,7 +68,8 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
             "step": ("inductor", "erase")}
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
-CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "aot_eager")  # and streams=N, release-lag=N
+CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "shared-input-values",
+            "aot_eager")  # and streams=N, release-lag=N
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -168,6 +172,8 @@ class Variant:
             options["overlap"] = False
         elif self.control in ("stages-on-main", "stages-on-side"):
             options["stages_on_side"] = self.control == "stages-on-side"
+        elif self.control == "shared-input-values":
+            options["copy_input_values"] = False
         elif self.control == "aot_eager":
             options["inner"] = "aot_eager"
         elif self.control is not None:

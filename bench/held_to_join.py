@@ -51,6 +51,8 @@ from erase_fx.emit.release import SlotUses, StepIO
 from erase_fx.passes import MAIN_STREAM
 
 KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
+#: How many of the largest held values (returns left out) a `Held` keeps.
+LARGEST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +84,28 @@ def _own_storages(program: program_module.StreamProgram, env: list) -> Iterator[
             yield slot, value.untyped_storage().nbytes()
 
 
-def classify(program: program_module.StreamProgram, env: list,
-             streams: SlotStreams | None = None) -> dict[str, int]:
-    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
+@dataclasses.dataclass(frozen=True)
+class HeldValue:
+    """One storage held at the join: its bytes, kind, the segment that made it, and the
+    value's dtype and shape."""
+
+    size: int
+    kind: str
+    made_by: str
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.size / 2**20:.1f} MiB {self.kind}: {self.value} from {self.made_by}"
+
+
+def held_values(program: program_module.StreamProgram, env: list,
+                streams: SlotStreams | None = None) -> list[HeldValue]:
+    """Each storage held in ``env`` (a finished run's slots, None where freed), by kind."""
     streams = streams or SlotStreams.of(program)
     returned = {slot for kind, slot in program.results if kind == "slot"}
-    held = dict.fromkeys(KINDS, 0)
+    producer = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs)
+                            for s in program.steps]).producer
+    found = []
     for slot, size in _own_storages(program, env):
         home = streams.made_on.get(slot, MAIN_STREAM)
         read_on = streams.read_on.get(slot, set())
@@ -99,7 +117,19 @@ def classify(program: program_module.StreamProgram, env: list,
             kind = "main -> side"
         else:
             kind = "side -> main" if MAIN_STREAM in read_on else "side -> side"
-        held[kind] += size
+        value = env[slot]
+        made_by = program.steps[producer[slot]].name if slot in producer else "an input"
+        found.append(HeldValue(size, kind, made_by,
+                               f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"))
+    return found
+
+
+def classify(program: program_module.StreamProgram, env: list,
+             streams: SlotStreams | None = None) -> dict[str, int]:
+    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
+    held = dict.fromkeys(KINDS, 0)
+    for value in held_values(program, env, streams):
+        held[value.kind] += value.size
     return held
 
 
@@ -118,6 +148,16 @@ class Held:
 
     kinds: dict[str, int]
     stream_peaks: dict[int, int]
+    largest: list[HeldValue] = dataclasses.field(default_factory=list)
+
+    def add(self, other: Held) -> None:
+        """Sum ``other``'s kinds into these, keep the larger peak of each stream, and the
+        largest held values of both (the forward's returns left out)."""
+        for kind, size in other.kinds.items():
+            self.kinds[kind] = self.kinds.get(kind, 0) + size
+        for stream, size in other.stream_peaks.items():
+            self.stream_peaks[stream] = max(self.stream_peaks.get(stream, 0), size)
+        self.largest = sorted(self.largest + other.largest, key=lambda v: -v.size)[:LARGEST]
 
 
 @contextlib.contextmanager
@@ -143,7 +183,12 @@ def recording() -> Iterator[list[Held]]:
         peaks.clear()
         streams[id(self)] = SlotStreams.of(self)
         original(self, env, context)
-        found.append(Held(classify(self, env, streams.pop(id(self))), dict(peaks)))
+        values = held_values(self, env, streams.pop(id(self)))
+        kinds = dict.fromkeys(KINDS, 0)
+        for value in values:
+            kinds[value.kind] += value.size
+        kept = sorted((v for v in values if v.kind != "returned"), key=lambda v: -v.size)
+        found.append(Held(kinds, dict(peaks), kept[:LARGEST]))
 
     program_module.StreamProgram._run_captured = run_captured
     program_module.StreamProgram._launch = launch_watching
@@ -181,10 +226,7 @@ def measure(text: str, device: torch.device, inner: str = "inductor",
         fn(*inputs).backward()
     total = Held(dict.fromkeys(KINDS, 0), {})
     for held in found:
-        for kind, size in held.kinds.items():
-            total.kinds[kind] += size
-        for stream, size in held.stream_peaks.items():
-            total.stream_peaks[stream] = max(total.stream_peaks.get(stream, 0), size)
+        total.add(held)
     return total
 
 
@@ -197,21 +239,32 @@ def main(argv=None) -> int:
                         help="erase's inner compiler (inductor: the segments a user gets)")
     parser.add_argument("--streams", default="4",
                         help="comma-separated side-stream counts to compare")
+    parser.add_argument("--largest", type=int, default=0, metavar="N",
+                        help=f"after the table, the N (at most {LARGEST}) largest values each "
+                        "row holds at the join, the forward's returns left out")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print("| config | side streams | stages | " + " | ".join(f"{k} MiB" for k in KINDS)
           + " | stream peaks MiB (main, side 1, ...) | their sum MiB |")
     print("|---|---|---|" + "---|" * len(KINDS) + "---|---|")
+    listed = []
     for text in args.configs.split(","):
         for streams in (int(n) for n in args.streams.split(",")):
             for on_side in (True, False):
                 held = measure(text, device, args.inner, on_side, streams)
                 where = "on side streams" if on_side else "on the main stream"
+                listed.append((f"{text}, {streams} side streams, stages {where}",
+                               held.largest[:args.largest]))
                 peaks = [held.stream_peaks.get(s, 0) for s in range(streams + 1)]
                 print(f"| {text} | {streams} | {where} | "
                       + " | ".join(f"{held.kinds[k] / 2**20:.1f}" for k in KINDS)
                       + " | " + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
                       + f" | {sum(peaks) / 2**20:.0f} |", flush=True)
+    for row, values in listed:
+        if values:
+            print(f"\nlargest held at the join, {row}:")
+            for value in values:
+                print(f"- {value}")
     return 0
 
 

@@ -102,6 +102,15 @@ class EraseConfig:
             same speed; DGL ResNet-18 (3 blocks on 4 streams) 5% slower with
             9% more memory when forced on (before BatchNorm's statistics
             updates stopped cutting stages into pieces; not re-measured).
+        copy_input_values: each early block makes its own copy of a large
+            value made from the graph's inputs alone that other blocks (or the
+            forward) read too (``True``, default), instead of sharing one
+            (`passes/copy_input_values_per_block.py`): the stock partitioner's
+            CSE merges, say, every block's cross-entropy mask of the labels
+            (batch x classes, fp32) into one, which then lives through every
+            block under CUDA graph capture. The copies cost one elementwise
+            pass each (fused into the block's kernels with Inductor).
+            ``False``: share them, as the partitioner left them.
         early_allreduce: under DistributedDataParallel, all-reduce each early
             block's gradients during the forward, as soon as its early backward
             ends (one flat buffer per block, on a communication stream;
@@ -127,6 +136,7 @@ class EraseConfig:
     overlap: bool = True
     release_lag: int | None = None
     stages_on_side: bool | None = None
+    copy_input_values: bool = True
     early_allreduce: bool = True
     on_error: str = "fallback"
 
@@ -145,6 +155,7 @@ class EraseConfig:
             _check_type("cudagraphs", self.cudagraphs, bool)
         _check_type("overlap", self.overlap, bool)
         _check_type("early_allreduce", self.early_allreduce, bool)
+        _check_type("copy_input_values", self.copy_input_values, bool)
         if self.stages_on_side is not None:
             _check_type("stages_on_side", self.stages_on_side, bool)
         if self.release_lag is not None:

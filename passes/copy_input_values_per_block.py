@@ -26,6 +26,9 @@ kernels that read it instead of being written out. The cost is the chain run onc
 per block: elementwise work on small inputs (that is what the size rule
 admits), next to a block's matrix work.
 
+``EraseConfig.copy_input_values=False`` turns the pass off (the input comes
+back unchanged).
+
 Invariants out (`check_input_values_per_block`): a new module (the input
 itself when there is nothing to copy: ``modified`` False); no value this
 pass would copy is left (each such value is read by the early nodes of one
@@ -77,8 +80,7 @@ class InputValueCopies:
 def copy_input_values_per_block(gm: fx.GraphModule,
                                 cfg: EraseConfig) -> PassResult[InputValueCopies]:
     """Give each block its own copy of the shared input-only values; see the module docstring."""
-    del cfg
-    if not _values_to_copy(*_analysed(gm.graph)):
+    if not cfg.copy_input_values or not _values_to_copy(*_analysed(gm.graph)):
         return PassResult(gm, modified=False, artifact=InputValueCopies({}))
     new_gm, _ = clone_module(gm)
     graph = new_gm.graph

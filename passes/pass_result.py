@@ -72,10 +72,14 @@ def graph_text(gm: fx.GraphModule) -> str:
     notes = []
     for node in gm.graph.nodes:
         meta = get_meta(node)
-        if meta is not None and (meta.block is not None or meta.stream or meta.waits_for):
+        if meta is not None and (meta.block is not None or meta.stream or meta.waits_for
+                                 or meta.after_join):
+            flags = "".join((f" piece={meta.piece}" if meta.piece is not None else "",
+                             " stage" if meta.stage else "",
+                             " after_join" if meta.after_join else ""))
             notes.append(
                 f"#   {node.name}: role={meta.role.value} block={meta.block} "
-                f"stream={meta.stream} waits_for={list(meta.waits_for)}"
+                f"stream={meta.stream} waits_for={list(meta.waits_for)}{flags}"
             )
     if notes:
         lines.append("# erase_fx node decisions:")

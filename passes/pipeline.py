@@ -179,7 +179,8 @@ def _copy_input_values(gm: fx.GraphModule, context: PassContext) -> PassResult:
 
 
 def _check_input_values(result: PassResult, context: PassContext) -> None:
-    check_input_values_per_block(result)
+    if context.cfg.copy_input_values:
+        check_input_values_per_block(result)
 
 
 def _assign_streams(gm: fx.GraphModule, context: PassContext) -> PassResult:

@@ -79,6 +79,8 @@ def test_erase_options_of_the_controls():
     assert Variant.parse("erase/aot_eager").erase_options["inner"] == "aot_eager"
     assert Variant.parse("erase+step/stages-on-main").erase_options["stages_on_side"] is False
     assert Variant.parse("erase+step/stages-on-side").erase_options["stages_on_side"] is True
+    assert Variant.parse("erase+step/shared-input-values").erase_options[
+        "copy_input_values"] is False
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
 

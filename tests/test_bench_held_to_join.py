@@ -1,4 +1,6 @@
 """bench.held_to_join: what a captured forward holds to the join, measured on CPU."""
+import re
+
 import pytest
 
 from bench import held_to_join
@@ -60,3 +62,16 @@ def test_the_observer_restores_the_program_after_it():
     assert program.StreamProgram._run_captured is original and program._capturing is capturing
     assert program.StreamProgram._launch is launch
     assert found == []
+
+
+def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them():
+    cpu = held_to_join.torch.device("cpu")
+    held = held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", False)
+    assert 0 < len(held.largest) <= held_to_join.LARGEST
+    sizes = [value.size for value in held.largest]
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(value.kind != "returned" for value in held.largest)
+    top = held.largest[0]
+    assert top.kind == "main -> side" and top.made_by.startswith("seg_"), top
+    assert re.fullmatch(r"\d+\.\d MiB main -> side: b?float\d+\[\d+(, \d+)*\] from seg_\w+",
+                        str(top)), top

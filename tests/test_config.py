@@ -41,7 +41,7 @@ def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("changes", [
     {"streams": -1}, {"streams": 1.5}, {"seed": float("inf")}, {"seed": "1"}, {"dump_dir": 3},
-    {"cudagraphs": 1},
+    {"cudagraphs": 1}, {"copy_input_values": 1}, {"stages_on_side": "yes"},
 ])
 def test_bad_values(changes):
     with pytest.raises(EraseOptionError):

@@ -23,10 +23,12 @@ CLASSES = 8192  # a batch of 64 x 8192 fp32 classes: a 2 MiB mask made from 64 l
 BATCH = 64
 
 
-def wide_chain_stages(stages_on_side: bool | None = None) -> Stages:
+def wide_chain_stages(stages_on_side: bool | None = None, copy_input_values: bool = True) -> Stages:
     torch.manual_seed(0)
-    return Stages(Chain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
-                  EraseConfig(inner="inductor", stages_on_side=stages_on_side), inner="inductor")
+    cfg = EraseConfig(inner="inductor", stages_on_side=stages_on_side,
+                      copy_input_values=copy_input_values)
+    return Stages(Chain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES), cfg,
+                  inner="inductor")
 
 
 def large_cross_stream_reads(gm) -> list[tuple[str, str]]:
@@ -58,12 +60,15 @@ def test_each_block_makes_its_own_label_mask(stages_on_side):
     assert large_cross_stream_reads(stages.assigned.gm) == []
 
 
-def test_without_the_pass_the_mask_crosses_streams(monkeypatch):
-    """The property above fails when nothing is copied: the mask is made once and read by
-    both early blocks on their side streams."""
-    monkeypatch.setattr(pass_module, "MIN_BYTES", 1 << 40)
-    stages = wide_chain_stages()
-    assert not stages.copied.modified
+@pytest.mark.parametrize("turned_off", ["option", "threshold"])
+def test_without_copies_the_mask_crosses_streams(turned_off, monkeypatch):
+    """The property above fails when nothing is copied (``copy_input_values=False``, or a
+    mask below the size rule): the mask is made once and read by both early blocks on
+    their side streams."""
+    if turned_off == "threshold":
+        monkeypatch.setattr(pass_module, "MIN_BYTES", 1 << 40)
+    stages = wide_chain_stages(copy_input_values=turned_off == "threshold")
+    assert not stages.copied.modified and stages.copied.gm is stages.fw
     crossing = large_cross_stream_reads(stages.assigned.gm)
     assert {reader for _, reader in crossing}, crossing
 

@@ -94,3 +94,17 @@ def test_two_dumps_of_one_model_are_byte_identical_but_for_timings(tmp_path):
     for name in names:
         if name != TIMINGS_FILE:
             assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_node_comments_say_which_nodes_are_a_stage_and_which_run_after_the_join(tmp_path):
+    folder = tmp_path / "stages"
+    compiled = torch.compile(Chain(3), backend="erase", options={
+        "inner": "aot_eager", "dump_dir": str(folder), "stages_on_side": True})
+    compiled(*chain_inputs()).backward()
+    (graph,) = list(folder.iterdir())
+    notes = [line for line in (graph / "05_assign_streams.py").read_text().splitlines()
+             if line.startswith("#   ")]
+    stage = [line for line in notes if line.endswith(" stage")]
+    assert stage and all("role=forward" in line and "stream=0" not in line for line in stage)
+    after_join = [line for line in notes if line.endswith(" after_join")]
+    assert after_join and all("stream=0" in line for line in after_join)
