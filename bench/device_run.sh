@@ -28,8 +28,9 @@
 #                                      copy_input_values_per_block) against one shared mask
 #                                      (/shared-input-values) and inductor+step: step memory and
 #                                      time on two gpt chains and mlp:512 (no mask: the same
-#                                      program), then bench.held_to_join on CUDA with the
-#                                      largest values held (~7 min)
+#                                      program), after a 1,000-step race stress, then
+#                                      bench.held_to_join on CUDA with the largest values held
+#                                      (~9 min)
 #   bash bench/device_run.sh vision-f  stages forced on side streams against the default (auto:
 #                                      on main there) on DGL ResNet-18 and MobileNetV3, after
 #                                      BatchNorm's updates stopped cutting stages (~8 min)
@@ -140,7 +141,11 @@ case "$1" in
     timeout 60 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       | tee "$OUT/held-to-join.md" ;;
   memory-f)
-    timeout 330 python3 -m bench.run --budget-s 280 --out "$OUT/memory-f.json" --streams '' \
+    # NB: the stress first: outputs of one segment sharing its memory are now freed under capture
+    timeout 130 python3 -m bench.check_cuda --parts stress --stress-steps 1000 \
+      --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
+      2>&1 | tee "$OUT/check_cuda-stress.log" || true
+    timeout 300 python3 -m bench.run --budget-s 250 --out "$OUT/memory-f.json" --streams '' \
       --configs gpt:16:384:256:8,gpt:8:768:1024:6,mlp:512:1024:2048:6 --sweep-configs '' \
       --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
     timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \

@@ -1,11 +1,13 @@
 """Release planning under CUDA graph capture (erase_fx.emit.release), and the program running it."""
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from erase_fx.config import EraseConfig
 from erase_fx.emit import program as program_module
 from erase_fx.emit.release import StepIO, plan_captured_releases
-from graphs import Chain, Stages, chain_inputs, real_values
+from graphs import Chain, StageChain, Stages, attention_inputs, chain_inputs, real_values
 from test_program import build
 
 MAIN, SIDE1, SIDE2 = 0, 1, 2
@@ -90,23 +92,27 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
     assert any(program.capture_plan.releases_before)
 
 
-def _slots_alive_before_each_launch(monkeypatch, cfg):
-    stages = Stages(Chain(4), chain_inputs(), cfg)
+def _slots_alive_before_each_launch(monkeypatch, cfg, model=None, inputs=None):
+    stages = Stages(model or Chain(4), inputs or chain_inputs(), cfg)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     monkeypatch.setattr(program_module, "_capturing", lambda: True)
     program, streams = build(stages)
     alive = []
     program.aliases = set()  # outputs that are views of a live value (a weight, a stage output)
+    program.shared = {}  # step -> its outputs that share memory the step allocated
     real_launch = program._launch
 
     def launch(k, step, env, events, record=False):
         alive.append({i for i, v in enumerate(env) if v is not None})
         live = {v.untyped_storage().data_ptr() for v in env if isinstance(v, torch.Tensor)}
         real_launch(k, step, env, events, record)
-        program.aliases |= {
-            slot for slot in step.outputs if slot >= 0 and isinstance(env[slot], torch.Tensor)
-            and env[slot].untyped_storage().data_ptr() in live}
+        made = [slot for slot in step.outputs if slot >= 0 and isinstance(env[slot], torch.Tensor)]
+        program.aliases |= {slot for slot in made if env[slot].untyped_storage().data_ptr() in live}
+        fresh = [slot for slot in made if slot not in program.aliases]
+        ptr = {slot: env[slot].untyped_storage().data_ptr() for slot in fresh}
+        program.shared[k] = {slot for slot in fresh
+                             if sum(p == ptr[slot] for p in ptr.values()) > 1}
 
     monkeypatch.setattr(program, "_launch", launch)
     program(list(args))
@@ -150,3 +156,41 @@ def test_with_stages_on_side_a_blocks_activations_die_with_its_backward_under_ca
         assert program.capture_plan.drops_after[block_step]
         for later in alive[block_step + 1:]:
             assert not activations & later, step.name
+
+
+class FusedQKVStage(nn.Module):
+    """Attention whose q, k and v are views of one projection's output (a GPT block's shape)."""
+
+    def __init__(self, d: int = 16, heads: int = 2, classes: int = 5):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.head = nn.Linear(d, 3 * d), nn.Linear(d, classes)
+
+    def forward(self, x, y):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + out.transpose(1, 2).reshape(b, t, d)
+        return h, F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_outputs_of_one_step_that_share_its_memory_are_freed_under_capture(monkeypatch):
+    """q, k and v of a fused projection are three outputs of a block's stage sharing one
+    allocation of that step: each is dropped after its last reader on the block's stream,
+    not held to the join as a view of someone else's memory would be."""
+    program, _, alive = _slots_alive_before_each_launch(
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=True),
+        StageChain([FusedQKVStage() for _ in range(4)]), attention_inputs())
+    steps = program.steps
+    checked = 0
+    for k, step in enumerate(steps):
+        shared = {slot for slot in program.shared.get(k, ())
+                  if all(s.stream == step.stream for s in steps if slot in s.inputs)}
+        if "_stage_" not in step.name or not shared:
+            continue
+        last_reader = max(j for j, s in enumerate(steps) if shared & set(s.inputs))
+        assert steps[last_reader].stream == step.stream
+        for later in alive[last_reader + 1:]:
+            assert not shared & later, (step.name, shared & later)
+        checked += 1
+    assert checked >= 2  # the early stages' q, k and v (the last stage is the main stream's)

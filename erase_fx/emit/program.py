@@ -282,11 +282,15 @@ class StreamProgram(Boxed):
     def _run_captured(self, env: list[Any], context: Any = None) -> None:
         """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
 
-        NB: a step output that lives in memory a live value already has (a
-        view of an input or of another stream's tensor) is held to the join:
-        the plan reasons about the stream a tensor was made on, and a view was
-        not made where its memory was. Memory that was freed and handed out
-        again is not such a case (that reuse is the point of freeing).
+        NB: a step output that lives in memory a value alive before the step
+        already has (a view of an input or of another stream's tensor) is
+        held to the join: the plan reasons about the stream a tensor was made
+        on, and a view was not made where its memory was. Memory that was
+        freed and handed out again is not such a case (that reuse is the point
+        of freeing), and neither are several outputs of one step that share
+        memory the step allocated (an attention's q, k and v, views of one
+        projection): they were made on the step's stream, and their memory is
+        freed when the last of them is dropped, each by its own rule.
         """
         plan = self.capture_plan
         pinned: set[int] = set()
@@ -300,11 +304,9 @@ class StreamProgram(Boxed):
             live = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
             self._launch(k, step, env, events, plan.records_event[k])
             for slot in step.outputs:
-                if slot >= 0 and isinstance(env[slot], torch.Tensor):
-                    key = _storage_key(env[slot])
-                    if key in live:
-                        pinned.add(slot)
-                    live.add(key)
+                if (slot >= 0 and isinstance(env[slot], torch.Tensor)
+                        and _storage_key(env[slot]) in live):
+                    pinned.add(slot)
             for slot in plan.drops_after[k]:
                 if slot not in pinned:
                     env[slot] = None
