@@ -31,6 +31,11 @@
 #                                      program), after a 1,000-step race stress, then
 #                                      bench.held_to_join on CUDA with the largest values held
 #                                      (~9 min)
+#   bash bench/device_run.sh streams-a two side streams against four (the default) in the step
+#                                      API: time and step memory on the three small chains,
+#                                      gpt:16:384:256:8 and ctr:16384, to decide whether the
+#                                      default should be two (less memory on gpt/ctr:16384,
+#                                      speed unknown on the small chains) (~8 min)
 #   bash bench/device_run.sh vision-f  stages forced on side streams against the default (auto:
 #                                      on main there) on DGL ResNet-18 and MobileNetV3, after
 #                                      BatchNorm's updates stopped cutting stages (~8 min)
@@ -80,7 +85,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f) ;;
+  bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -150,6 +155,10 @@ case "$1" in
       --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
     timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
+  streams-a)
+    timeout 480 python3 -m bench.run --budget-s 430 --out "$OUT/streams-a.json" --streams '' \
+      --configs "$SMALL,gpt:16:384:256:8,ctr:16384:1024:2048:6" --sweep-configs '' \
+      --variants inductor+step,erase+step,erase+step/streams=2 --trials 5 || true ;;
   vision-f)
     run vision-f tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 \
       inductor+step,erase+step,erase+step/stages-on-side --sweep-configs '' --trials 5 ;;
