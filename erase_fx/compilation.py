@@ -52,6 +52,7 @@ from erase_fx.passes import (
     FORWARD_PASSES,
     JOINT_PASSES,
     BlockAnalysis,
+    InputValueCopies,
     PassResult,
     run_passes,
     stock_partition,
@@ -205,9 +206,16 @@ class GraphCompilation:
                                                 joint=found.gm)
         self._handle_unsupported(found.artifact)
 
+    def _note_input_copies(self, copied: PassResult[InputValueCopies]) -> None:
+        sizes = copied.artifact.sizes
+        self.report = dataclasses.replace(self.report, input_copies=len(sizes),
+                                          input_copy_bytes=sum(sizes.values()))
+
     def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                           inductor_kwargs: dict[str, Any]) -> StreamProgram:
-        segmented = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner)["split_segments"]
+        segmented = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
+                               after={"copy_input_values_per_block": self._note_input_copies},
+                               )["split_segments"]
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
         else:

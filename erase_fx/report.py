@@ -100,6 +100,12 @@ class GraphReport:
         stages_on_side: the blocks' stages run on their side streams
             (`EraseConfig.stages_on_side`; blocks in pieces keep theirs on the
             main stream).
+        input_copies: how many values made from the inputs alone (a
+            cross-entropy's mask of the labels) each block that reads them
+            makes itself instead of sharing one (`EraseConfig.copy_input_values`);
+            set once the forward is compiled.
+        input_copy_bytes: the bytes of those values, summed (what sharing
+            them would hold through every block under capture).
     """
 
     graph_id: int
@@ -111,6 +117,8 @@ class GraphReport:
     streams: int = 0
     inner: str = ""
     stages_on_side: bool = False
+    input_copies: int = 0
+    input_copy_bytes: int = 0
 
     @property
     def early_share(self) -> float:
@@ -170,7 +178,7 @@ class GraphReport:
     def with_fallback(self, reason: str) -> GraphReport:
         """The report of a graph that took the stock path: no early block."""
         return dataclasses.replace(self, blocks=(), early_flops=0, stages_on_side=False,
-                                   fallback_reason=reason)
+                                   input_copies=0, input_copy_bytes=0, fallback_reason=reason)
 
     def summary(self) -> str:
         """One line: what the logger prints per compiled graph."""

@@ -113,6 +113,9 @@ def _heading(report: GraphReport, number: int) -> str:
         f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
         f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
         + (", each block's stage on its side stream" if report.stages_on_side else "")
+        + (f"\n  each block makes its own copy of {_count(report.input_copies, 'value')} made "
+           f"from the inputs alone ({report.input_copy_bytes / 2**20:.1f} MiB; "
+           "copy_input_values)" if report.input_copies else "")
     )
 
 

@@ -66,9 +66,11 @@ Owner = tuple[int, "int | None"]
 @dataclasses.dataclass(frozen=True)
 class InputValueCopies:
     """Which values each block now makes itself: original name -> the copies' names, one
-    per (block, piece) that reads it, in block order."""
+    per (block, piece) that reads it, in block order; and the bytes of each value (at its
+    shape's hints)."""
 
     copies: dict[str, tuple[str, ...]]
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def render(self, gm: fx.GraphModule) -> tuple[DumpFile, ...]:
         listed = "; ".join(f"{name} -> {', '.join(made)}" for name, made in self.copies.items())
@@ -88,6 +90,7 @@ def copy_input_values_per_block(gm: fx.GraphModule,
     made: dict[Owner, dict[fx.Node, fx.Node]] = {}  # per owner: original -> its copy
     origin: dict[fx.Node, fx.Node] = {}  # copy -> original
     copies: dict[str, tuple[str, ...]] = {}
+    sizes: dict[str, int] = {}
     to_copy = _values_to_copy(nodes, from_inputs, position)
     readers = {node: _early_readers(node, position) for node in to_copy}
     for node in to_copy:
@@ -99,10 +102,11 @@ def copy_input_values_per_block(gm: fx.GraphModule,
                 user.replace_input_with(node, copy)
             names.append(copy.name)
         copies[node.name] = tuple(names)
+        sizes[node.name] = _bytes(val_of(node)) or 0
     _drop_unread(reversed(nodes), from_inputs)
     new_gm = rebuild_in_order(new_gm, _copies_before_readers(graph, set(origin)))
     new_gm.graph.lint()
-    return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies))
+    return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies, sizes))
 
 
 def _analysed(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node], dict[fx.Node, int]]:

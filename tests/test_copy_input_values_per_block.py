@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 
+import erase_fx
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import get_meta, pipeline
@@ -14,6 +15,7 @@ from erase_fx.passes.copy_input_values_per_block import (
     check_input_values_per_block,
 )
 from erase_fx.passes.graph import val_of
+from erase_fx.report_text import format_report
 from graphs import Chain, Stages, assert_same_grads, chain_inputs
 
 # NB: erase_fx.passes exports the pass function under the module's name
@@ -127,3 +129,44 @@ def test_gradients_match_stock_inductor_with_copies(stages_on_side, monkeypatch)
     torch.compile(stock)(*inputs).backward()
     assert copied and copied[0], copied
     assert_same_grads(stock, model, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamic_batch_sizes_are_copied_at_their_hints_and_stay_exact(monkeypatch):
+    """With a symbolic batch the mask's size is judged at its hint; the copies read the
+    batch size the graph already computes, and gradients match stock Inductor's."""
+    copied = []
+
+    def spy(gm, cfg):
+        result = pass_module.copy_input_values_per_block(gm, cfg)
+        copied.append(result.artifact.copies)
+        return result
+
+    monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
+    torch.manual_seed(2)
+    model = Chain(3, classes=CLASSES)
+    stock = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="erase", dynamic=True,
+                             options={"inner": "inductor", "on_error": "raise"})
+    compiled_stock = torch.compile(stock, dynamic=True)
+    for batch in (BATCH, BATCH + 8):
+        inputs = chain_inputs(batch=batch, classes=CLASSES)
+        compiled(*inputs).backward()
+        compiled_stock(*inputs).backward()
+    assert copied and copied[0], copied
+    assert_same_grads(stock, model, rtol=1e-4, atol=1e-6)
+
+
+def test_the_report_and_explain_say_what_each_block_copies():
+    (report,) = erase_fx.explain(Chain(3, classes=CLASSES), *chain_inputs(batch=BATCH,
+                                 classes=CLASSES), erase_options={"inner": "inductor"})
+    assert report.input_copies == 2  # the mask and its row sums
+    assert report.input_copy_bytes == BATCH * CLASSES * 4 + BATCH * 4
+    assert "each block makes its own copy of 2 values made from the inputs alone (2.0 MiB;" in (
+        format_report(report))
+    fallen = report.with_fallback("injected")
+    assert fallen.input_copies == 0 and "own copy" not in format_report(fallen)
+    (shared,) = erase_fx.explain(Chain(3, classes=CLASSES), *chain_inputs(
+        batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor",
+                                                      "copy_input_values": False})
+    assert shared.input_copies == 0 and "own copy" not in format_report(shared)
