@@ -51,6 +51,8 @@ from erase_fx.emit.release import SlotUses, StepIO
 from erase_fx.passes import MAIN_STREAM
 
 KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
+#: The kinds from the longest-held: a storage several slots share takes its slots' first kind.
+HOLD_ORDER = ("returned", "main -> side", "side -> main", "side -> side", "one stream")
 #: How many of the largest held values (returns left out) a `Held` keeps.
 LARGEST = 8
 
@@ -70,18 +72,24 @@ class SlotStreams:
                    {slot: {steps[k].stream for k in ks} for slot, ks in uses.readers.items()})
 
 
-def _own_storages(program: program_module.StreamProgram, env: list) -> Iterator[tuple[int, int]]:
-    """``(slot, bytes)`` of each storage the program's slots hold in ``env``, once each, leaving
-    out memory shared with the forward's inputs (parameters, views of them)."""
-    seen = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
-            if isinstance(v, torch.Tensor)}
+def _own_storages(program: program_module.StreamProgram, env: list
+                  ) -> Iterator[tuple[list[int], int]]:
+    """``(slots, bytes)`` of each storage the program's slots hold in ``env``, once each (with
+    every slot that holds it), leaving out memory shared with the forward's inputs
+    (parameters, views of them)."""
+    inputs = {v.untyped_storage().data_ptr() for v in env[:program.num_inputs]
+              if isinstance(v, torch.Tensor)}
+    slots: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
     for slot, value in enumerate(env):
         if slot < program.num_inputs or not isinstance(value, torch.Tensor):
             continue
         key = value.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            yield slot, value.untyped_storage().nbytes()
+        if key not in inputs:
+            slots.setdefault(key, []).append(slot)
+            sizes[key] = value.untyped_storage().nbytes()
+    for key, held in slots.items():
+        yield held, sizes[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,21 +113,27 @@ def held_values(program: program_module.StreamProgram, env: list,
     returned = {slot for kind, slot in program.results if kind == "slot"}
     producer = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs)
                             for s in program.steps]).producer
-    found = []
-    for slot, size in _own_storages(program, env):
+    constants = {slot for slot, _ in program.constants}
+
+    def kind_of(slot: int) -> str:
         home = streams.made_on.get(slot, MAIN_STREAM)
         read_on = streams.read_on.get(slot, set())
         if slot in returned:
-            kind = "returned"
-        elif read_on <= {home}:
-            kind = "one stream"
-        elif home == MAIN_STREAM:
-            kind = "main -> side"
-        else:
-            kind = "side -> main" if MAIN_STREAM in read_on else "side -> side"
+            return "returned"
+        if read_on <= {home}:
+            return "one stream"
+        if home == MAIN_STREAM:
+            return "main -> side"
+        return "side -> main" if MAIN_STREAM in read_on else "side -> side"
+
+    found = []
+    for slots, size in _own_storages(program, env):
+        # NB: a storage is held for the slot that holds it longest: returned, else crossing
+        slot = min(slots, key=lambda s: HOLD_ORDER.index(kind_of(s)))
         value = env[slot]
-        made_by = program.steps[producer[slot]].name if slot in producer else "an input"
-        found.append(HeldValue(size, kind, made_by,
+        made_by = (program.steps[producer[slot]].name if slot in producer
+                   else "a constant" if slot in constants else "an input")
+        found.append(HeldValue(size, kind_of(slot), made_by,
                                f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"))
     return found
 
@@ -207,9 +221,10 @@ def live_bytes_by_stream(program: program_module.StreamProgram, env: list,
     shared with the forward's inputs not counted, shared memory counted once)."""
     made_on = (streams or SlotStreams.of(program)).made_on
     live: dict[int, int] = {}
-    for slot, size in _own_storages(program, env):
-        if slot in made_on:
-            live[made_on[slot]] = live.get(made_on[slot], 0) + size
+    for slots, size in _own_storages(program, env):
+        made = [made_on[slot] for slot in slots if slot in made_on]
+        if made:
+            live[made[0]] = live.get(made[0], 0) + size
     return live
 
 

@@ -38,7 +38,7 @@ block whose nodes read it, and the large values it reads are that block's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import operator
 
 import torch
 import torch.fx as fx
@@ -58,6 +58,9 @@ MIN_BYTES = 1 << 20
 #: that making it again costs little next to holding it (a label tensor -> a batch x
 #: classes mask; not a cast of a weight, which reads more bytes than it writes).
 GROWTH = 4
+#: The op namespaces whose pure ops may be copied: their ops say when they are impure or
+#: draw random numbers (a custom op or a higher-order op may do either without saying so).
+COPYABLE_NAMESPACES = ("aten", "prims")
 
 #: Whose early nodes read a value: (block, piece).
 Owner = tuple[int, "int | None"]
@@ -65,9 +68,10 @@ Owner = tuple[int, "int | None"]
 
 @dataclasses.dataclass(frozen=True)
 class InputValueCopies:
-    """Which values each block now makes itself: original name -> the copies' names, one
-    per (block, piece) that reads it, in block order; and the bytes of each value (at its
-    shape's hints)."""
+    """Which values each block now makes itself: original name -> the names of its copies,
+    one per (block, piece) that reads it, in block order; and the bytes of each such value
+    (at its shape's hints). Only the values early nodes read are listed, not the large
+    values their copies are made through."""
 
     copies: dict[str, tuple[str, ...]]
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -79,143 +83,174 @@ class InputValueCopies:
         return (DumpFile(".py", part, graph_text(gm)),)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Analysis:
+    """What the pass and its check read of a graph.
+
+    Attributes:
+        nodes: the graph's nodes, in order; ``position`` their index.
+        from_inputs: the nodes made from graph inputs alone (`_made_from_inputs`).
+        returned: the nodes the forward returns, or views of them (saved for the backward):
+            they live past the join whoever reads them, so they are never copied and a
+            chain reads them as it reads graph inputs.
+    """
+
+    nodes: list[fx.Node]
+    position: dict[fx.Node, int]
+    from_inputs: set[fx.Node]
+    returned: set[fx.Node]
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> _Analysis:
+        nodes = list(graph.nodes)
+        return cls(nodes, {n: i for i, n in enumerate(nodes)}, _made_from_inputs(nodes),
+                   _returned(graph))
+
+    def is_source(self, node: fx.Node) -> bool:
+        """A node a copy reads as it is, never copies: a graph input or a returned value."""
+        return node.op in ("placeholder", "get_attr") or node in self.returned
+
+    def values_to_copy(self) -> list[fx.Node]:
+        """In graph order: the large input-only values early nodes read that are not theirs
+        alone."""
+        found = []
+        for node in self.nodes:
+            if node not in self.from_inputs or node in self.returned:
+                continue
+            readers = self.early_readers(node)
+            if not readers:
+                continue
+            alone = len(readers) == 1 and all(is_early(u) for u in node.users)
+            if not alone and self.holds_large_from_small(node):
+                found.append(node)
+        return found
+
+    def early_readers(self, node: fx.Node) -> dict[Owner, list[fx.Node]]:
+        """The early nodes that read ``node``, by (block, piece), each list in graph order."""
+        readers: dict[Owner, list[fx.Node]] = {}
+        for user in node.users:  # NB: users in the order they were added, not the graph's
+            if is_early(user):
+                meta = get_meta(user)
+                readers.setdefault((meta.block, meta.piece), []).append(user)
+        return {owner: sorted(users, key=self.position.__getitem__)
+                for owner, users in readers.items()}
+
+    def holds_large_from_small(self, node: fx.Node) -> bool:
+        """Whether ``node``'s chain (it and the input-only nodes it is made from, down to graph
+        inputs and returned values) holds a value of at least `MIN_BYTES` that is `GROWTH`
+        times larger than the graph inputs the chain reads (returned values count 0 bytes:
+        they are held anyway, and a copy fused into its reader reads them as the shared
+        value would be read).
+
+        NB: the chain, not only the node: a small value several blocks read (the row sums of
+        a batch x classes mask) drags the large value it is made from into one block (or onto
+        the main stream, from where other streams read it) unless it is copied too."""
+        chain, inputs = self.chain_of(node)
+        sizes = [0 if i in self.returned else _bytes(val_of(i)) for i in inputs]
+        if any(s is None for s in sizes):
+            return False
+        limit = max(MIN_BYTES, GROWTH * sum(sizes))
+        return any((size := _bytes(val_of(n))) is not None and size >= limit
+                   for n in chain if not _is_view(n))
+
+    def chain_of(self, node: fx.Node) -> tuple[set[fx.Node], set[fx.Node]]:
+        """An input-only value's chain (the node and the nodes it is made from) and the sources
+        (`is_source`) that chain reads."""
+        chain: set[fx.Node] = {node}
+        sources: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            for arg in stack.pop().all_input_nodes:
+                if arg in chain or arg in sources:
+                    continue
+                if self.is_source(arg):
+                    sources.add(arg)
+                else:
+                    chain.add(arg)
+                    stack.append(arg)
+        return chain, sources
+
+
 def copy_input_values_per_block(gm: fx.GraphModule,
                                 cfg: EraseConfig) -> PassResult[InputValueCopies]:
     """Give each block its own copy of the shared input-only values; see the module docstring."""
-    if not cfg.copy_input_values or not _values_to_copy(*_analysed(gm.graph)):
+    if not cfg.copy_input_values or not _Analysis.of(gm.graph).values_to_copy():
         return PassResult(gm, modified=False, artifact=InputValueCopies({}))
     new_gm, _ = clone_module(gm)
     graph = new_gm.graph
-    nodes, from_inputs, position = _analysed(graph)
+    analysis = _Analysis.of(graph)
     made: dict[Owner, dict[fx.Node, fx.Node]] = {}  # per owner: original -> its copy
     origin: dict[fx.Node, fx.Node] = {}  # copy -> original
-    copies: dict[str, tuple[str, ...]] = {}
-    sizes: dict[str, int] = {}
-    to_copy = _values_to_copy(nodes, from_inputs, position)
-    readers = {node: _early_readers(node, position) for node in to_copy}
+    to_copy = analysis.values_to_copy()
+    readers = {node: analysis.early_readers(node) for node in to_copy}
     for node in to_copy:
-        names = []
-        for owner in sorted(readers[node], key=lambda o: (o[0], -1 if o[1] is None else o[1])):
-            copy = _copy_chain(graph, node, owner, made=made.setdefault(owner, {}),
+        for owner in readers[node]:
+            copy = _copy_chain(analysis, graph, node, owner, made=made.setdefault(owner, {}),
                                origin=origin)
             for user in readers[node][owner]:
                 user.replace_input_with(node, copy)
-            names.append(copy.name)
-        copies[node.name] = tuple(names)
-        sizes[node.name] = _bytes(val_of(node)) or 0
-    _drop_unread(reversed(nodes), from_inputs)
+    # NB: an early reader redirected above may itself be a copied value the forward still
+    # reads (CSE merged a forward node onto it): it keeps reading the originals, so that no
+    # copy is read outside its block
+    for node in to_copy:
+        if node.users:
+            for arg in node.all_input_nodes:
+                if arg in origin:
+                    node.replace_input_with(arg, origin[arg])
+    _erase_unread(graph, analysis.from_inputs | set(origin))
+    copies, sizes = _listed(to_copy, made, set(graph.nodes))
     new_gm = rebuild_in_order(new_gm, _copies_before_readers(graph, set(origin)))
     new_gm.graph.lint()
     return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies, sizes))
 
 
-def _analysed(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node], dict[fx.Node, int]]:
-    """The graph's nodes, its input-only ones (`_made_from_inputs`) and each node's position."""
-    nodes = list(graph.nodes)
-    return nodes, _made_from_inputs(nodes), {n: i for i, n in enumerate(nodes)}
-
-
-def _made_from_inputs(nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    """The pure call_function nodes without matrix work whose inputs are graph inputs
-    (placeholders, attributes) or such nodes: functions of the inputs alone."""
+def _made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The pure aten and prims nodes without matrix work (and getitems, symbolic-size
+    arithmetic) whose inputs are graph inputs (placeholders, attributes) or such nodes:
+    functions of the inputs alone."""
     found: set[fx.Node] = set()
     for node in nodes:
-        if (node.op == "call_function" and not node.is_impure() and not _is_random(node)
-                and node_flops(node) == 0
+        if (node.op == "call_function"
                 and all(a.op in ("placeholder", "get_attr") or a in found
-                        for a in node.all_input_nodes)):
+                        for a in node.all_input_nodes)
+                and _copyable(node) and node_flops(node) == 0):
             found.add(node)
     return found
 
 
-def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return isinstance(node.target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in tags)
+def _copyable(node: fx.Node) -> bool:
+    """An op whose copy computes what it computed: a pure aten or prims op that draws no
+    random numbers, a getitem, or arithmetic on symbolic sizes."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
+                and torch.Tag.nondeterministic_seeded not in target.tags)
+    return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 
 
-def _values_to_copy(nodes: list[fx.Node], from_inputs: set[fx.Node],
-                    position: dict[fx.Node, int]) -> list[fx.Node]:
-    """In graph order: the large input-only values early nodes read that are not theirs alone."""
-    found = []
-    for node in nodes:
-        if node not in from_inputs:
-            continue
-        readers = _early_readers(node, position)
-        if not readers:
-            continue
-        alone = len(readers) == 1 and all(is_early(u) for u in node.users)
-        if alone or _returned(node) or not _chain_is_large_from_small_inputs(node):
-            continue
-        found.append(node)
-    return found
-
-
-def _returned(node: fx.Node) -> bool:
-    """Whether the forward returns ``node`` or a view of it (saved for the backward, say): it
-    then lives past the join whoever reads it, and a copy would only add work and memory."""
-    stack = [node]
+def _returned(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the forward returns, and the nodes they are views of."""
+    found: set[fx.Node] = set()
+    stack = list(output_node(graph).all_input_nodes)
     while stack:
-        for user in stack.pop().users:
-            if user.op == "output":
-                return True
-            if _is_view(user):
-                stack.append(user)
-    return False
-
-
-def _early_readers(node: fx.Node, position: dict[fx.Node, int]) -> dict[Owner, list[fx.Node]]:
-    """The early nodes that read ``node``, by (block, piece), each list in graph order
-    (``position``: the graph's order)."""
-    readers: dict[Owner, list[fx.Node]] = {}
-    for user in node.users:  # NB: users in the order they were added, not the graph's
-        if is_early(user):
-            meta = get_meta(user)
-            readers.setdefault((meta.block, meta.piece), []).append(user)
-    return {owner: sorted(users, key=position.__getitem__) for owner, users in readers.items()}
+        node = stack.pop()
+        if node in found:
+            continue
+        found.add(node)
+        if _is_view(node):
+            stack.extend(node.all_input_nodes[:1])  # NB: a view's base is its first input
+    return found
 
 
 def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
-def _chain_is_large_from_small_inputs(node: fx.Node) -> bool:
-    """Whether ``node``'s chain (it and the input-only nodes it is made from) holds a value of
-    at least `MIN_BYTES` that is `GROWTH` times larger than the graph inputs the chain reads.
-
-    NB: the chain, not only the node: a small value several blocks read (the row sums of a
-    batch x classes mask) drags the large value it is made from into one block (or onto the
-    main stream, from where other streams read it) unless it is copied too."""
-    chain, inputs = _chain_of(node)
-    sizes = [_bytes(val_of(i)) for i in inputs]
-    if any(s is None for s in sizes):
-        return False
-    limit = max(MIN_BYTES, GROWTH * sum(sizes))
-    return any((size := _bytes(val_of(n))) is not None and size >= limit
-               for n in chain if not _is_view(n))
-
-
-def _chain_of(node: fx.Node) -> tuple[set[fx.Node], set[fx.Node]]:
-    """An input-only value's chain (the node and the nodes it is made from) and the
-    placeholders and attributes that chain reads."""
-    chain: set[fx.Node] = {node}
-    inputs: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg in chain or arg in inputs:
-                continue
-            if arg.op in ("placeholder", "get_attr"):
-                inputs.add(arg)
-            else:
-                chain.add(arg)
-                stack.append(arg)
-    return chain, inputs
-
-
 def _bytes(value) -> int | None:
-    """Bytes of a tensor value (its shape's numel, at the shape's hints), None if unknown; 0 for
-    a non-tensor (a SymInt, a number)."""
+    """Bytes of a tensor value (its shape's numel, at the shape's hints); None if unknown (no
+    example value, a size without a hint); 0 for a non-tensor (a SymInt, a number)."""
+    if value is None:
+        return None
     if not isinstance(value, torch.Tensor):
         return 0
     numel = 1
@@ -229,14 +264,14 @@ def _bytes(value) -> int | None:
     return numel * value.element_size()
 
 
-def _copy_chain(graph: fx.Graph, node: fx.Node, owner: Owner, *,
+def _copy_chain(analysis: _Analysis, graph: fx.Graph, node: fx.Node, owner: Owner, *,
                 made: dict[fx.Node, fx.Node], origin: dict[fx.Node, fx.Node]) -> fx.Node:
     """``node`` copied for ``owner`` (before the output: `_copies_before_readers` places it),
     with the inputs whose own chains hold a large value; other inputs (the labels, small
-    masks made from them) are read as they are, so the block still reads what it read
-    before and launches where it did. Copies made for ``owner`` already (``made``) are
-    reused; a node redirected to another owner's copy is copied from the original
-    (``origin``)."""
+    masks made from them, values the forward returns) are read as they are, so the block
+    still reads what it read before and launches where it did. Copies made for ``owner``
+    already (``made``) are reused; a node redirected to another owner's copy is copied
+    from the original (``origin``)."""
     node = origin.get(node, node)
     if node in made:
         return made[node]
@@ -244,11 +279,11 @@ def _copy_chain(graph: fx.Graph, node: fx.Node, owner: Owner, *,
 
     def copied(arg: fx.Node) -> fx.Node:
         arg = origin.get(arg, arg)
-        if arg.op in ("placeholder", "get_attr"):
+        if analysis.is_source(arg):
             return arg
         # NB: a multi-output op goes with the getitem that reads it: segments pass tensors
-        if _chain_is_large_from_small_inputs(arg) or isinstance(val_of(arg), (tuple, list)):
-            return _copy_chain(graph, arg, owner, made=made, origin=origin)
+        if analysis.holds_large_from_small(arg) or isinstance(val_of(arg), (tuple, list)):
+            return _copy_chain(analysis, graph, arg, owner, made=made, origin=origin)
         return arg
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), copied)
@@ -260,6 +295,35 @@ def _copy_chain(graph: fx.Graph, node: fx.Node, owner: Owner, *,
     made[node] = copy
     origin[copy] = node
     return copy
+
+
+def _erase_unread(graph: fx.Graph, erasable: set[fx.Node]) -> None:
+    """Erase the nodes of ``erasable`` nothing reads any more, until none is left: originals
+    whose readers all took copies, and copies whose only reader was such an original."""
+    erased = True
+    while erased:
+        erased = False
+        for node in reversed(list(graph.nodes)):
+            if node in erasable and not node.users:
+                graph.erase_node(node)
+                erasable.discard(node)
+                erased = True
+
+
+def _listed(to_copy: list[fx.Node], made: dict[Owner, dict[fx.Node, fx.Node]],
+            alive: set[fx.Node]) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+    """The artifact's copies and sizes: each copied value's copies still in the graph (a copy
+    whose only reader was an original now erased went with it), in (block, piece) order."""
+    copies: dict[str, tuple[str, ...]] = {}
+    sizes: dict[str, int] = {}
+    owners = sorted(made, key=lambda o: (o[0], -1 if o[1] is None else o[1]))
+    for node in to_copy:
+        kept = tuple(made[o][node].name for o in owners
+                     if node in made[o] and made[o][node] in alive)
+        if kept:
+            copies[node.name] = kept
+            sizes[node.name] = _bytes(val_of(node)) or 0
+    return copies, sizes
 
 
 def _copies_before_readers(graph: fx.Graph, copies: set[fx.Node]) -> list[fx.Node]:
@@ -284,32 +348,30 @@ def _copies_before_readers(graph: fx.Graph, copies: set[fx.Node]) -> list[fx.Nod
     return order
 
 
-def _drop_unread(nodes: Iterable[fx.Node], from_inputs: set[fx.Node]) -> None:
-    """Erase the input-only nodes nothing reads any more (reverse order: readers first)."""
-    for node in nodes:
-        if node in from_inputs and not node.users:
-            node.graph.erase_node(node)
-
-
 def check_input_values_per_block(result: PassResult[InputValueCopies]) -> None:
     """The invariants in the module docstring."""
-    nodes, from_inputs, position = _analysed(result.gm.graph)
-    left = _values_to_copy(nodes, from_inputs, position)
+    analysis = _Analysis.of(result.gm.graph)
+    left = analysis.values_to_copy()
     if left:
         raise GraphInvariantError(PASS_NAME, f"{left[0].name} is read by the early nodes of "
                                   "several blocks (or with the forward) and was not copied")
-    copied = {name for made in result.artifact.copies.values() for name in made}
-    by_name = {n.name: n for n in nodes}
-    for name in copied:
+    by_name = {n.name: n for n in analysis.nodes}
+    for name in (name for made in result.artifact.copies.values() for name in made):
         copy = by_name.get(name)
         if copy is None or not is_early(copy):
             raise GraphInvariantError(PASS_NAME, f"the copy {name} is not an early node")
         meta = get_meta(copy)
+        owner = (meta.block, meta.piece)
+        for user in copy.users:
+            user_meta = get_meta(user)
+            if not is_early(user) or (user_meta.block, user_meta.piece) != owner:
+                raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {meta.block} "
+                                          f"is read by {user.name}, not a node of its block")
         for arg in copy.all_input_nodes:
-            if arg.op in ("placeholder", "get_attr"):
+            if analysis.is_source(arg):
                 continue
             arg_meta = get_meta(arg)
-            own = is_early(arg) and (arg_meta.block, arg_meta.piece) == (meta.block, meta.piece)
-            if not own and _chain_is_large_from_small_inputs(arg):
+            own = is_early(arg) and (arg_meta.block, arg_meta.piece) == owner
+            if not own and analysis.holds_large_from_small(arg):
                 raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {meta.block} "
                                           f"reads {arg.name}, a large value not its block's own")

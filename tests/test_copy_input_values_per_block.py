@@ -15,6 +15,7 @@ from erase_fx.passes.copy_input_values_per_block import (
     check_input_values_per_block,
 )
 from erase_fx.passes.graph import val_of
+from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
 from erase_fx.report_text import format_report
 from graphs import Chain, Stages, assert_same_grads, chain_inputs
 
@@ -35,14 +36,17 @@ def wide_chain_stages(stages_on_side: bool | None = None, copy_input_values: boo
 
 def large_cross_stream_reads(gm) -> list[tuple[str, str]]:
     """(producer, reader) of every value of MIN_BYTES or more that a node reads from another
-    stream (what CUDA graph capture holds until the join)."""
+    stream (what CUDA graph capture holds until the join), but those the forward returns
+    (saved for the backward: they live past the join anyway)."""
+    returned = pass_module._returned(gm.graph)
     found = []
     for node in gm.graph.nodes:
         if node.op in ("output", "placeholder"):
             continue
         for arg in node.all_input_nodes:
             value = val_of(arg)
-            if (arg.op != "placeholder" and get_meta(arg).stream != get_meta(node).stream
+            if (arg.op != "placeholder" and arg not in returned
+                    and get_meta(arg).stream != get_meta(node).stream
                     and isinstance(value, torch.Tensor)
                     and value.numel() * value.element_size() >= MIN_BYTES):
                 found.append((arg.name, node.name))
@@ -170,3 +174,107 @@ def test_the_report_and_explain_say_what_each_block_copies():
         batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor",
                                                       "copy_input_values": False})
     assert shared.input_copies == 0 and "own copy" not in format_report(shared)
+
+
+# -- hand-built forwards: the cases CSE can make ------------------------------------------
+
+aten = torch.ops.aten
+MASK = torch.empty(BATCH, CLASSES, device="meta")  # 2 MiB of fp32
+
+
+class Forward:
+    """A forward graph built node by node, early nodes marked with their block."""
+
+    def __init__(self):
+        self.graph = torch.fx.Graph()
+        self.labels = self.input("labels", torch.empty(BATCH, dtype=torch.int64, device="meta"))
+        self.acts = self.input("acts", MASK)
+        self.column = self.node(aten.unsqueeze.default, (self.labels, 1),
+                                torch.empty(BATCH, 1, dtype=torch.int64, device="meta"))
+
+    def input(self, name, val):
+        node = self.graph.placeholder(name)
+        node.meta["val"] = val
+        return node
+
+    def node(self, op, args, val=MASK, block=None, name=None):
+        node = self.graph.call_function(op, args, name=name)
+        node.meta["val"] = val
+        if block is not None:
+            set_meta(node, NodeMeta(Role.EARLY_BACKWARD, block=block))
+        return node
+
+    def mask(self, block=None, name="mask"):
+        """A batch x classes mask made from the labels alone."""
+        ones = self.node(aten.full.default, ([BATCH, CLASSES], 1.0), block=block)
+        return self.node(aten.mul.Tensor, (ones, self.column), block=block, name=name)
+
+    def run(self, *outputs):
+        self.graph.output(tuple(outputs))
+        gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)
+        code = gm.code
+        result = pass_module.copy_input_values_per_block(gm, EraseConfig())
+        assert gm.code == code  # the input is never mutated
+        check_input_values_per_block(result)
+        return result, {n.name: n for n in result.gm.graph.nodes}
+
+
+def test_a_forward_node_merged_onto_a_blocks_value_keeps_reading_the_originals():
+    """CSE merged a forward node onto block 0's neg(mask): the forward still reads it, and it
+    reads the original mask, never a copy made for block 0."""
+    f = Forward()
+    mask = f.mask(block=0)
+    neg = f.node(aten.neg.default, (mask,), block=0, name="neg")
+    in_block_0 = f.node(aten.mul.Tensor, (f.acts, neg), block=0)
+    in_block_1 = f.node(aten.mul.Tensor, (f.acts, mask), block=1)
+    forward = f.node(aten.mul.Tensor, (f.acts, neg), name="forward")
+    result, nodes = f.run(in_block_0, in_block_1, forward)
+    assert [a.name for a in nodes["forward"].all_input_nodes] == ["acts", "neg"]
+    assert [a.name for a in nodes["neg"].all_input_nodes] == ["mask"]
+    assert result.artifact.copies["mask"] == ("mask_block_0", "mask_block_1")
+
+
+def test_a_copy_whose_only_reader_went_away_is_not_listed():
+    """Block 1's neg(mask) is read by blocks 2 and 3 only: they get copies of both, block 1's
+    copy of the mask (made for its neg) goes with the original neg."""
+    f = Forward()
+    mask = f.mask(block=1)
+    in_block_0 = f.node(aten.mul.Tensor, (f.acts, mask), block=0)
+    neg = f.node(aten.neg.default, (mask,), block=1, name="neg")
+    readers = [f.node(aten.mul.Tensor, (f.acts, neg), block=b) for b in (2, 3)]
+    result, nodes = f.run(in_block_0, *readers)
+    assert "neg" not in nodes and "mask_block_1" not in nodes
+    assert result.artifact.copies == {"mask": ("mask_block_0", "mask_block_2", "mask_block_3"),
+                                      "neg": ("neg_block_2", "neg_block_3")}
+
+
+def test_a_value_saved_for_the_backward_is_read_not_copied():
+    """The mask is returned (saved for the backward): the row-scaled mask both blocks read is
+    copied, reading the saved mask as it is."""
+    f = Forward()
+    mask = f.mask()
+    scaled = f.node(aten.mul.Tensor, (mask, 0.5), name="scaled")
+    readers = [f.node(aten.mul.Tensor, (f.acts, scaled), block=b) for b in (0, 1)]
+    result, nodes = f.run(*readers, mask)
+    assert result.artifact.copies == {"scaled": ("scaled_block_0", "scaled_block_1")}
+    assert all([a.name for a in nodes[f"scaled_block_{b}"].all_input_nodes] == ["mask"]
+               for b in (0, 1))
+
+
+def test_an_op_outside_aten_and_prims_is_never_copied():
+    """A custom op may draw random numbers without saying so: its value stays shared."""
+    f = Forward()
+    noise = f.node(torch.ops.erase_fx_test.noisy_mask.default, (f.column,), name="noise")
+    readers = [f.node(aten.mul.Tensor, (f.acts, noise), block=b) for b in (0, 1)]
+    result, _ = f.run(*readers)
+    assert not result.modified and result.artifact.copies == {}
+
+
+@torch.library.custom_op("erase_fx_test::noisy_mask", mutates_args=())
+def _noisy_mask(column: torch.Tensor) -> torch.Tensor:
+    return torch.rand(column.shape[0], CLASSES, device=column.device)
+
+
+@_noisy_mask.register_fake
+def _(column):
+    return column.new_empty(column.shape[0], CLASSES, dtype=torch.float32)
