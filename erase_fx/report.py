@@ -104,8 +104,9 @@ class GraphReport:
             cross-entropy's mask of the labels) each block that reads them
             makes itself instead of sharing one (`EraseConfig.copy_input_values`);
             set once the forward is compiled.
-        input_copy_bytes: the bytes of those values, summed (what sharing
-            them would hold through every block under capture).
+        input_copy_bytes: the bytes of those values, summed (the values
+            early nodes read; large values their copies are made through, a
+            mask the row sums are taken of, are not counted again).
     """
 
     graph_id: int
