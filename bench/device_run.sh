@@ -36,6 +36,10 @@
 #                                      gpt:16:384:256:8 and ctr:16384, to decide whether the
 #                                      default should be two (less memory on gpt/ctr:16384,
 #                                      speed unknown on the small chains) (~8 min)
+#   bash bench/device_run.sh kernels-a the kernels Inductor writes for a step, stock against erase
+#                                      (bench.kernel_counts): modules, fused Triton kernels and
+#                                      extern calls on DGL ResNet-18, MobileNetV3 DGL and
+#                                      GoogLeNet with aux heads (issue 13's cause, as code) (~8 min)
 #   bash bench/device_run.sh vision-f  stages forced on side streams against the default (auto:
 #                                      on main there) on DGL ResNet-18 and MobileNetV3, after
 #                                      BatchNorm's updates stopped cutting stages (~8 min)
@@ -86,6 +90,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
+  kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -155,6 +160,10 @@ case "$1" in
       --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
     timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
+  kernels-a)
+    timeout 540 python3 -m bench.kernel_counts \
+      --configs tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64,tv-googlenet-aux:128:64 \
+      | tee "$OUT/kernel-counts.md" ;;
   streams-a)
     timeout 480 python3 -m bench.run --budget-s 430 --out "$OUT/streams-a.json" --streams '' \
       --configs "$SMALL,gpt:16:384:256:8,ctr:16384:1024:2048:6" --sweep-configs '' \
