@@ -29,7 +29,10 @@ bytes made on that stream alive at once): under capture memory freed on a
 stream is reused only by that stream, so the step's pool needs about their
 sum, plus what the segments allocate inside (not seen here: a head's
 log-softmax within a block's segment, say). ``--streams 4,2`` compares side
-stream counts.
+stream counts; ``--largest N`` lists, after the table, the N largest values
+each row holds at the join (kind, dtype and shape, the segment that made
+them; a storage several slots share counts once, as its longest-held slot's
+kind).
 
 Storage shared with the forward's inputs (parameters, views of them) is not
 counted. Bytes are of the config's dtype on CPU (no autocast): a config run
