@@ -3,11 +3,13 @@ computed from the graph's inputs alone and read by more than that block.
 
 What: a value early nodes read although it is not theirs alone (other
 blocks, or the forward, read it too) is copied when it depends on no
-activation, only on graph inputs and constants, through pure ops without
-matrix work (`_made_from_inputs`); when it, or a value it is made from, is
-large (at least `MIN_BYTES`) and much larger than the graph inputs it is made
-from (`GROWTH` times their bytes); and when the forward does not return it (a
-value saved for the backward lives past the join anyway). The stock
+activation, only on graph inputs and constants, through pure aten or prims
+ops without matrix work (`_made_from_inputs`; a custom op may draw random
+numbers without saying so); when it, or a value it is made from, is large
+(at least `MIN_BYTES`) and much larger than the graph inputs it is made from
+(`GROWTH` times their bytes); and when the forward does not return it (a
+value saved for the backward lives past the join anyway: such a value is
+read as it is, like an input, by the copies made from it). The stock
 partitioner's CSE makes such values: a cross-entropy's backward builds the
 same batch x classes ``where(iota == target, -1, 0) / n`` from the labels in
 every block, and CSE keeps one of them for all. Each (block, piece) whose
