@@ -161,7 +161,7 @@ case "$1" in
     timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
   kernels-a)
-    timeout 540 python3 -m bench.kernel_counts \
+    timeout 540 python3 -m bench.kernel_counts --differences \
       --configs tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64,tv-googlenet-aux:128:64 \
       | tee "$OUT/kernel-counts.md" ;;
   streams-a)

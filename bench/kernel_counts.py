@@ -9,7 +9,9 @@ and backward is compiled and run, and the code Inductor wrote is read
 (stock: a forward and a backward; erase: one per segment, and the backward),
 how many fused kernels they define (Triton on a GPU, C++ on CPU), and the
 extern calls they make (``mm``, ``addmm``, ``convolution``,
-``convolution_backward``, ...), comments left out. What a segment boundary
+``convolution_backward``, ...), comments left out; ``--differences`` lists
+the fused kernels, by name (the ops each fuses), that one backend has more of
+than the other. What a segment boundary
 costs in fusion shows as fused kernels erase has beyond stock; extern calls
 (the matrix work) should match. A compile-time view, not a timing: CPU and
 GPU code differ (layout choices such as channels-last are made for GPUs
@@ -32,7 +34,7 @@ from bench.models import build_config, parse_config
 
 BACKENDS = ("inductor", "erase")
 #: A fused kernel's definition in Inductor's output code (C++ on CPU, Triton on a GPU).
-_FUSED = re.compile(r"^\w+ = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
+_FUSED = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
 #: An extern call: ``extern_kernels.mm(...)`` or an aten op Inductor calls as is.
 _EXTERN = re.compile(r"\b(?:extern_kernels\.(\w+)|torch\.ops\.aten\.(\w+)\.\w+)\(")
 
@@ -45,19 +47,28 @@ class KernelCounts:
     modules: int
     fused: int
     externs: dict[str, int]
+    #: fused kernels by name without their number (``triton_poi_fused_relu_3`` ->
+    #: ``triton_poi_fused_relu``): the ops each fused
+    names: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, codes: Sequence[str]) -> KernelCounts:
-        fused = 0
+        names: collections.Counter[str] = collections.Counter()
         externs: collections.Counter[str] = collections.Counter()
         for code in codes:
-            fused += len(_FUSED.findall(code))
+            names.update(re.sub(r"_\d+$", "", name) for name in _FUSED.findall(code))
             for line in code.splitlines():
                 if line.lstrip().startswith("#"):
                     continue
                 for extern, aten in _EXTERN.findall(line):
                     externs[extern or aten] += 1
-        return cls(len(codes), fused, dict(sorted(externs.items())))
+        return cls(len(codes), sum(names.values()), dict(sorted(externs.items())),
+                   dict(sorted(names.items())))
+
+    def beyond(self, other: KernelCounts) -> dict[str, int]:
+        """The fused kernels (by name) this has more of than ``other``, and how many more."""
+        return {name: n - other.names.get(name, 0) for name, n in self.names.items()
+                if n > other.names.get(name, 0)}
 
 
 def count_step(text: str, backend: str, device: torch.device) -> KernelCounts:
@@ -82,19 +93,31 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="tv-resnet18-dgl:8:32,tv-mobilenet-dgl:8:32",
                         help="comma-separated configs (bench.models.parse_config)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--differences", action="store_true",
+                        help="after the table, the fused kernels (by name: the ops they fuse) "
+                        "each backend has more of than the other")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print("| config | backend | modules | fused kernels | extern calls |")
     print("|---|---|---|---|---|")
+    found: dict[str, dict[str, KernelCounts]] = {}
     for text in args.configs.split(","):
         for backend in BACKENDS:
             start = time.perf_counter()
-            counts = count_step(text, backend, device)
+            counts = found.setdefault(text, {})[backend] = count_step(text, backend, device)
             externs = ", ".join(f"{k} {v}" for k, v in counts.externs.items())
             print(f"| {text} | {backend} | {counts.modules} | {counts.fused} | {externs} |",
                   flush=True)
             print(f"{text} {backend}: compiled and ran in {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
+    if args.differences:
+        for text, counts in found.items():
+            for more, fewer in (("erase", "inductor"), ("inductor", "erase")):
+                extra = counts[more].beyond(counts[fewer])
+                print(f"\n{text}: fused kernels {more} has beyond {fewer}'s"
+                      + ("" if extra else ": none"))
+                for name, n in sorted(extra.items(), key=lambda item: (-item[1], item[0])):
+                    print(f"- {n} x {name}")
     return 0
 
 

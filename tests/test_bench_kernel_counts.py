@@ -23,7 +23,12 @@ def call(args):
 def test_counts_read_definitions_and_calls_not_comments():
     counts = KernelCounts.of([CODE, "extern_kernels.mm(a, b, out=c)\n"])
     assert counts == KernelCounts(modules=2, fused=2,
-                                  externs={"addmm": 1, "convolution_backward": 1, "mm": 2})
+                                  externs={"addmm": 1, "convolution_backward": 1, "mm": 2},
+                                  names={"cpp_fused_relu": 1, "cpp_fused_sum": 1})
+    one = KernelCounts.of([CODE.replace("cpp_fused_sum_1", "cpp_fused_relu_1")])
+    assert one.names == {"cpp_fused_relu": 2}
+    assert one.beyond(counts) == {"cpp_fused_relu": 1} and counts.beyond(one) == {
+        "cpp_fused_sum": 1}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +40,12 @@ def chain_counts():
 def test_a_graph_with_no_early_block_compiles_to_stock_kernels(chain_counts):
     stock, erase = chain_counts["mlp:8:16:32:1", "inductor"], chain_counts["mlp:8:16:32:1", "erase"]
     assert stock.fused > 0 and stock.modules == 2
-    assert erase == stock
+    assert erase == stock and erase.beyond(stock) == {}
 
 
 def test_segments_keep_the_matrix_work_and_add_the_modules_of_their_boundaries(chain_counts):
     stock, erase = chain_counts["mlp:8:16:32:3", "inductor"], chain_counts["mlp:8:16:32:3", "erase"]
     assert erase.externs == stock.externs and sum(stock.externs.values()) > 0
     assert erase.modules > stock.modules and erase.fused >= stock.fused
+    assert sum(erase.beyond(stock).values()) - sum(stock.beyond(erase).values()) == (
+        erase.fused - stock.fused)
