@@ -65,12 +65,11 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.graph import clone_module, output_descriptors
+from erase_fx.passes.graph import clone_module, draws_random_numbers, output_descriptors
 from erase_fx.passes.node_meta import (
     MAIN_STREAM,
     NodeMeta,
@@ -242,7 +241,10 @@ def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
     stream and read there only, and the next stage reads stage ``b``'s
     output once it exists. Blocks launch in id order (ids follow ready
     points), so "launched before" is a smaller id. Impure nodes stay on the
-    main stream (unless only random: `_draws_random_numbers`), and so do the
+    main stream (unless only random, `draws_random_numbers`: stage nodes keep
+    their place in the forward's order, so random ops are launched in the
+    order they would be on the main stream and draw the same numbers, the
+    generator's offset advancing at launch whatever the stream), and so do the
     stages of blocks in pieces (each piece has
     its own launch point; moving the trunk they share would serialize them).
     Returns the stage nodes; ``owner`` maps each to its block.
@@ -262,23 +264,10 @@ def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
             needed_by[node] = min(blocks)
     stage: set[fx.Node] = set()
     for node, block in needed_by.items():
-        if block not in pieced and (not node.is_impure() or _draws_random_numbers(node)):
+        if block not in pieced and (not node.is_impure() or draws_random_numbers(node)):
             owner[node] = block
             stage.add(node)
     return stage
-
-
-def _draws_random_numbers(node: fx.Node) -> bool:
-    """An op impure only because it draws random numbers (dropout, attention with dropout).
-
-    Such an op may run on a block's stream as part of its stage: stage nodes
-    keep their place in the forward's order, so the random ops are launched
-    in the order they would be on the main stream and draw the same numbers
-    (the generator's offset advances at launch, whatever the stream).
-    """
-    target = node.target
-    tags = getattr(target, "tags", ())
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in tags
 
 
 def _sole_block_read(node: fx.Node, owner: dict, late: set[fx.Node], position: dict,

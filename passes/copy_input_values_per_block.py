@@ -48,7 +48,13 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
-from erase_fx.passes.graph import clone_module, output_node, rebuild_in_order, val_of
+from erase_fx.passes.graph import (
+    clone_module,
+    draws_random_numbers,
+    output_node,
+    rebuild_in_order,
+    val_of,
+)
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, is_early, set_meta
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
@@ -101,6 +107,8 @@ class _Analysis:
     position: dict[fx.Node, int]
     from_inputs: set[fx.Node]
     returned: set[fx.Node]
+    #: `holds_large_from_small`'s answers, by node (a copy asks again for each block)
+    large: dict[fx.Node, bool] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: fx.Graph) -> _Analysis:
@@ -147,13 +155,14 @@ class _Analysis:
         NB: the chain, not only the node: a small value several blocks read (the row sums of
         a batch x classes mask) drags the large value it is made from into one block (or onto
         the main stream, from where other streams read it) unless it is copied too."""
-        chain, inputs = self.chain_of(node)
-        sizes = [0 if i in self.returned else _bytes(val_of(i)) for i in inputs]
-        if any(s is None for s in sizes):
-            return False
-        limit = max(MIN_BYTES, GROWTH * sum(sizes))
-        return any((size := _bytes(val_of(n))) is not None and size >= limit
-                   for n in chain if not _is_view(n))
+        if node not in self.large:
+            chain, inputs = self.chain_of(node)
+            sizes = [0 if i in self.returned else _bytes(val_of(i)) for i in inputs]
+            limit = None if None in sizes else max(MIN_BYTES, GROWTH * sum(sizes))
+            self.large[node] = limit is not None and any(
+                (size := _bytes(val_of(n))) is not None and size >= limit
+                for n in chain if not _is_view(n))
+        return self.large[node]
 
     def chain_of(self, node: fx.Node) -> tuple[set[fx.Node], set[fx.Node]]:
         """An input-only value's chain (the node and the nodes it is made from) and the sources
@@ -176,14 +185,18 @@ class _Analysis:
 def copy_input_values_per_block(gm: fx.GraphModule,
                                 cfg: EraseConfig) -> PassResult[InputValueCopies]:
     """Give each block its own copy of the shared input-only values; see the module docstring."""
-    if not cfg.copy_input_values or not _Analysis.of(gm.graph).values_to_copy():
-        return PassResult(gm, modified=False, artifact=InputValueCopies({}))
+    unchanged = PassResult(gm, modified=False, artifact=InputValueCopies({}))
+    if not cfg.copy_input_values:
+        return unchanged
+    # NB: the clone is analysed (once) and edited; with nothing to copy the input goes on
     new_gm, _ = clone_module(gm)
     graph = new_gm.graph
     analysis = _Analysis.of(graph)
+    to_copy = analysis.values_to_copy()
+    if not to_copy:
+        return unchanged
     made: dict[Owner, dict[fx.Node, fx.Node]] = {}  # per owner: original -> its copy
     origin: dict[fx.Node, fx.Node] = {}  # copy -> original
-    to_copy = analysis.values_to_copy()
     readers = {node: analysis.early_readers(node) for node in to_copy}
     for node in to_copy:
         for owner in readers[node]:
@@ -226,7 +239,7 @@ def _copyable(node: fx.Node) -> bool:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
-                and torch.Tag.nondeterministic_seeded not in target.tags)
+                and not draws_random_numbers(node))
     return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 
 

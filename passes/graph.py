@@ -117,3 +117,11 @@ def call_with_val(
 
 def topo_positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def draws_random_numbers(node: fx.Node) -> bool:
+    """Whether the node is an op that draws random numbers (dropout, attention with dropout):
+    its tags say so (``nondeterministic_seeded``)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in target.tags)
