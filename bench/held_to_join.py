@@ -66,13 +66,16 @@ class SlotStreams:
 
     made_on: dict[int, int]
     read_on: dict[int, set[int]]
+    #: the step that made each slot (its index in the program's steps)
+    made_by: dict[int, int]
 
     @classmethod
     def of(cls, program: program_module.StreamProgram) -> SlotStreams:
         steps = program.steps
         uses = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs) for s in steps])
         return cls({slot: steps[k].stream for slot, k in uses.producer.items()},
-                   {slot: {steps[k].stream for k in ks} for slot, ks in uses.readers.items()})
+                   {slot: {steps[k].stream for k in ks} for slot, ks in uses.readers.items()},
+                   uses.producer)
 
 
 def _own_storages(program: program_module.StreamProgram, env: list
@@ -114,8 +117,7 @@ def held_values(program: program_module.StreamProgram, env: list,
     """Each storage held in ``env`` (a finished run's slots, None where freed), by kind."""
     streams = streams or SlotStreams.of(program)
     returned = {slot for kind, slot in program.results if kind == "slot"}
-    producer = SlotUses.of([StepIO(s.stream, s.inputs, s.outputs)
-                            for s in program.steps]).producer
+    producer = streams.made_by
     constants = {slot for slot, _ in program.constants}
 
     def kind_of(slot: int) -> str:
@@ -141,11 +143,10 @@ def held_values(program: program_module.StreamProgram, env: list,
     return found
 
 
-def classify(program: program_module.StreamProgram, env: list,
-             streams: SlotStreams | None = None) -> dict[str, int]:
-    """Bytes held in ``env`` (a finished run's slots, None where freed) by kind."""
+def by_kind(values: list[HeldValue]) -> dict[str, int]:
+    """Bytes of held values, by kind (`KINDS`)."""
     held = dict.fromkeys(KINDS, 0)
-    for value in held_values(program, env, streams):
+    for value in values:
         held[value.kind] += value.size
     return held
 
@@ -201,11 +202,8 @@ def recording() -> Iterator[list[Held]]:
         streams[id(self)] = SlotStreams.of(self)
         original(self, env, context)
         values = held_values(self, env, streams.pop(id(self)))
-        kinds = dict.fromkeys(KINDS, 0)
-        for value in values:
-            kinds[value.kind] += value.size
         kept = sorted((v for v in values if v.kind != "returned"), key=lambda v: -v.size)
-        found.append(Held(kinds, dict(peaks), kept[:LARGEST]))
+        found.append(Held(by_kind(values), dict(peaks), kept[:LARGEST]))
 
     program_module.StreamProgram._run_captured = run_captured
     program_module.StreamProgram._launch = launch_watching
