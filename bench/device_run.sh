@@ -36,6 +36,16 @@
 #                                      gpt:16:384:256:8 and ctr:16384, to decide whether the
 #                                      default should be two (less memory on gpt/ctr:16384,
 #                                      speed unknown on the small chains) (~8 min)
+#   bash bench/device_run.sh gpt8-a    why gpt:8:768:1024:6 loses 5% (the first config where the
+#                                      schedule is slower than stock): the one-stream control,
+#                                      stages on main, 2 side streams, then torch.profiler traces
+#                                      of inductor+step and erase+step (~9 min)
+#   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
+#                                      variant on a cold cache): stock against erase, and erase
+#                                      with its small aux parts forced early (/all-parts)
+#                                      (~9 min)
+#   bash bench/device_run.sh vision-h  MobileNetV3-small (DGL) alone: stock, erase, one stream
+#                                      (~6 min)
 #   bash bench/device_run.sh kernels-a the kernels Inductor writes for a step, stock against erase
 #                                      (bench.kernel_counts): modules, fused Triton kernels and
 #                                      extern calls on DGL ResNet-18, MobileNetV3 DGL and
@@ -53,6 +63,9 @@
 #   bash bench/device_run.sh vision-b  the same on MobileNetV3-small (DGL) and a ViT (DGL: detached
 #                                      pairs of blocks with token heads) (~9 min, grown from ~8, the
 #                                      budget as in vision-a)
+#                                      NB: since the cost check (min_part_share), erase compiles
+#                                      GoogLeNet on the stock path: kernels-a, vision-c and
+#                                      vision-e measure that path there; vision-g adds /all-parts
 #   bash bench/device_run.sh vision-c  the same on GoogLeNet with its aux heads (~6-7 min, was ~5)
 #   bash bench/device_run.sh vision-d  the same on EfficientNet-B0 (DGL, stochastic depth) (~6-7 min,
 #                                      was ~5)
@@ -63,7 +76,8 @@
 #                                      below: vision-b and vision-c measure the same rows)
 #   bash bench/device_run.sh models-a  check_models: the dropout GPT and CTR models, DGL ResNet-18
 #                                      and MobileNetV3 (~8 min)
-#   bash bench/device_run.sh models-b  check_models: GoogLeNet with its aux heads (~6 min)
+#   bash bench/device_run.sh models-b  check_models: GoogLeNet with its aux heads, forced early
+#                                      (check_models.ERASE_OPTIONS) (~6 min)
 #   bash bench/device_run.sh models-c  check_models: EfficientNet-B0, DGL and as shipped (~9 min)
 #   bash bench/device_run.sh models-d  check_models: the ViTs, MobileNetV3 and ResNet-18 as shipped
 #                                      (~9 min)
@@ -91,7 +105,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
-  vision-a|vision-b|vision-c|vision-d|vision-e|vision-f) ;;
+  vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -158,8 +172,22 @@ case "$1" in
     timeout 300 python3 -m bench.run --budget-s 250 --out "$OUT/memory-f.json" --streams '' \
       --configs gpt:16:384:256:8,gpt:8:768:1024:6,mlp:512:1024:2048:6 --sweep-configs '' \
       --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
-    timeout 90 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
+    # NB: 90 s was too short for the third row and the largest values (2026-12-01)
+    timeout 150 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
+  gpt8-a)
+    timeout 420 python3 -m bench.run --budget-s 360 --out "$OUT/gpt8-a.json" --streams '' \
+      --configs gpt:8:768:1024:6 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/one-stream,erase+step/stages-on-main,erase+step/streams=2 || true
+    timeout 150 python3 -m bench.overhead --config gpt:8:768:1024:6 \
+      --variants inductor+step,erase+step --trace-dir "$OUT" 2>&1 | tail -n 80 ;;
+  vision-g)
+    timeout 570 python3 -m bench.run --budget-s 330 --out "$OUT/vision-g.json" --streams '' \
+      --configs tv-googlenet-aux:128:64 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/all-parts ;;
+  vision-h)
+    run vision-h tv-mobilenet-dgl:256:64 inductor+step,erase+step,erase+step/one-stream \
+      --sweep-configs '' --trials 5 --budget-s 330 ;;
   kernels-a)
     timeout 540 python3 -m bench.kernel_counts --differences \
       --configs tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64,tv-googlenet-aux:128:64 \

@@ -14,9 +14,10 @@ name                        what                                                
                             layer3, layer4), each stage's input detached; a
                             local conv head (`ConvHead`) after each of the first
                             three, the model's own pool+fc after the last
-``tv-googlenet-aux``        ``googlenet(aux_logits=True, init_weights=True)``,      2 (the aux
-                            as shipped: ``CE + 0.3 * (CE(aux1) + CE(aux2))``        towers'
-                            (dropout: random)                                       parts)
+``tv-googlenet-aux``        ``googlenet(aux_logits=True, init_weights=True)``,      none (2 aux
+                            as shipped: ``CE + 0.3 * (CE(aux1) + CE(aux2))``        parts, 2.6%
+                            (dropout: random)                                       each; 2 with
+                                                                                   ``/all-parts``)
 ``tv-mobilenet-dgl``        ``mobilenet_v3_small`` features in 3 detached chunks    2
                             (``features[:4]``, ``[4:9]``, ``[9:]``), a conv head
                             after the first two, its own classifier after the

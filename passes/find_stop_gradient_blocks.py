@@ -31,13 +31,27 @@ How:
      only its gradient reaches, the trunk's own branch sums included, is
      judged as in 5, with the gradients it adds into the sums where it meets
      the others as *partial* outputs; those sums and what follows them stay
-     in the backward (``joins_blocks``). The reasons say, in the model's
+     in the backward (``joins_blocks``). A part must also be worth its
+     boundary: one whose estimated backward FLOPs are under
+     ``cfg.min_part_share`` of the whole backward's stays in the backward
+     (``small_part``, the cost check below). The reasons say, in the model's
      module names, which loss terms meet where, and why a part cannot run
      early;
   7. an early block whose loss terms meet in such sums and become ready at
      different points is cut in pieces (`Component.pieces`): each term's
      part launches at its own ready point, the rest (the sums and what
      follows) after the last part, all on the block's stream (`_in_pieces`).
+
+The cost check on parts: running a part early can win at most the time of
+its own backward, since the trunk's backward still waits for the end of the
+forward; what it costs is fixed by the graph, not by its size: a segment
+boundary cut into the trunk's forward at its branch point (kernels that
+Inductor would fuse across it, written on both sides) and its partials
+handed to the backward. Measured on an H200 (GoogLeNet's two auxiliary
+heads, each 2.6% of the backward's FLOPs: the step 1.06x of stock's with
+them early), a small part loses more than it wins. Whole blocks (a detached
+stage and its head) are not held to it: their early backward is the whole
+of their gradient, and a chain's blocks are each 1/K of the backward.
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
 0-dim tangent and a ready point that is a forward node, reads no node of
@@ -97,6 +111,7 @@ class RejectReason(str, enum.Enum):
     MUTATION = "mutation"
     NOT_LINEAR = "not_linear"
     JOINS_BLOCKS = "joins_blocks"
+    SMALL_PART = "small_part"
 
     @property
     def is_unsupported(self) -> bool:
@@ -218,25 +233,26 @@ def find_stop_gradient_blocks(
     Args:
         gm: AOTAutograd's joint graph (``primals_*``, ``tangents_*`` inputs;
             forward outputs then one gradient per primal).
-        cfg: the compilation's settings (unused by the analysis today; kept so
-            every pass has the same contract).
+        cfg: the compilation's settings: ``min_part_share``, the smallest share
+            of the backward's estimated FLOPs a gradient part runs early with.
         num_fwd_outputs: how many of the outputs are forward outputs.
         primal_names: a name per primal (e.g. a parameter's qualified name),
             used in the report; ``primals_<i>`` where missing.
     """
-    del cfg
     facts = Dataflow.of(gm.graph, num_fwd_outputs, primal_names)
     components = sorted((facts.describe(members) for members in facts.backward_pieces()),
                         key=facts.order)
     latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
-    early, rejected = _judge_components(components, facts, latest)
+    backward_flops = sum(node_flops(n) for n in facts.backward)
+    early, rejected = _judge_components(components, facts, latest, backward_flops,
+                                        cfg.min_part_share)
     early.sort(key=facts.order)
     blocks = [Block(i, comp, comp.tangents[0], facts.params_of(comp))
               for i, comp in enumerate(early)]
     analysis = BlockAnalysis(
         blocks=tuple(blocks),
         rejected=tuple(rejected),
-        backward_flops=sum(node_flops(n) for n in facts.backward),
+        backward_flops=backward_flops,
         num_fwd_outputs=num_fwd_outputs,
     )
     return PassResult(gm, modified=False, artifact=analysis)
@@ -336,12 +352,26 @@ class Dataflow:
 
 
 def _judge_components(
-    components: Sequence[Component], facts: Dataflow, latest: int
+    components: Sequence[Component],
+    facts: Dataflow,
+    latest: int,
+    backward_flops: int,
+    min_part_share: float,
 ) -> tuple[list[Component], list[Rejected]]:
-    """Each component early (whole, in pieces, or its parts split at sums) or rejected, why."""
+    """Each component early (whole, in pieces, or its parts split at sums) or rejected, why.
+
+    A part split at sums runs early only with at least ``min_part_share`` of
+    the backward's estimated FLOPs (``backward_flops``).
+    """
 
     def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
         return _reject_reason(comp, facts.by_name, latest, facts.position)
+
+    def judge_part(part: Component) -> tuple[RejectReason | None, str, str | None]:
+        why = judge(part)
+        if why[0] is None and part.flops < min_part_share * backward_flops:
+            return _small_part_reason(part.flops / backward_flops, min_part_share)
+        return why
 
     early: list[Component] = []
     rejected: list[Rejected] = []
@@ -356,8 +386,10 @@ def _judge_components(
         if cut is None:
             rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp)))
             continue
-        judged = [judge(part) for part in cut.parts]
-        if reason in _SPLIT_REASONS and any(why[0] is None for why in judged):
+        judged = [judge_part(part) for part in cut.parts]
+        # NB: a part kept back only by the cost check is listed on its own, as the split found it
+        if reason in _SPLIT_REASONS and any(why[0] in (None, RejectReason.SMALL_PART)
+                                            for why in judged):
             early += [part for part, why in zip(cut.parts, judged) if why[0] is None]
             rejected += _left_in_backward(cut, judged, facts.params_of)
             continue
@@ -464,6 +496,13 @@ def _reject_reason(
         if why is not None:
             return RejectReason.NOT_LINEAR, why, name
     return None, "", None
+
+
+def _small_part_reason(share: float, min_part_share: float) -> tuple[RejectReason, str, None]:
+    return (RejectReason.SMALL_PART,
+            f"its backward is {share:.1%} of the graph's estimated backward FLOPs, under "
+            f"min_part_share ({min_part_share:.1%}): run early it would win less than the "
+            f"segment boundary it cuts into the forward costs", None)
 
 
 #: Reasons for which a component is split where its loss terms meet: its

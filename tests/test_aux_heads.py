@@ -14,6 +14,7 @@ from graphs import (
     AuxTrunk,
     AuxTrunkClipped,
     AuxTrunkSplit,
+    Chain,
     TinyGoogLeNet,
     chain_inputs,
     check_parity,
@@ -24,10 +25,13 @@ from graphs import (
 AUX1 = tuple(f"aux1.{m}.{w}" for m in ("conv", "fc1", "fc2") for w in ("weight", "bias"))
 AUX2 = tuple(p.replace("aux1", "aux2") for p in AUX1)
 AUX = tuple(f"aux.{i}.{w}" for i in (0, 2) for w in ("weight", "bias"))
+#: Every part early, however small: the tests of how parts are split and run. The cost
+#: check that keeps small parts in the backward by default has its own section below.
+ALL_PARTS = {"min_part_share": 0.0}
 
 
-def explained(model, inputs):
-    (report,) = erase_fx.explain(model, *inputs())
+def explained(model, inputs, **options):
+    (report,) = erase_fx.explain(model, *inputs(), erase_options={**ALL_PARTS, **options})
     return report
 
 
@@ -37,7 +41,7 @@ def analysed(model, inputs, inner="aot_eager"):
         # compile_fx imports; trace_joint uses the decompositions without compile_fx.
         import torch._inductor.lowering  # noqa: F401
     joint = trace_joint(model, *inputs(), inner=inner)
-    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, EraseConfig(inner=inner),
+    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, EraseConfig(inner=inner, **ALL_PARTS),
                      num_fwd_outputs=joint.num_fwd_outputs)
     return joint, found.artifact
 
@@ -87,6 +91,50 @@ def test_an_aux_head_before_linear_branch_blocks_runs_early(blocks):
     assert [(b.params, b.partials) for b in report.blocks] == [(AUX, 1)]
     assert [(r.reason, r.params) for r in report.rejected][1] == (
         "joins_blocks", ("stem.0.weight", "stem.0.bias"))
+
+
+# -- the cost check: a part too small to pay for its boundary ---------------------
+
+
+def test_small_aux_heads_stay_in_the_backward_by_default_and_say_why():
+    (report,) = erase_fx.explain(TinyGoogLeNet(2), *googlenet_inputs())
+    assert report.blocks == () and report.fallback_reason == "no early block"
+    assert [(r.reason, r.params) for r in report.rejected][:2] == [
+        ("small_part", AUX1), ("small_part", AUX2)]
+    assert [r.reason for r in report.rejected][2:] == ["last_block", "joins_blocks"]
+    share = report.rejected[0].flops / report.backward_flops
+    assert report.rejected[0].detail.startswith(
+        f"its backward is {share:.1%} of the graph's estimated backward FLOPs, under "
+        f"min_part_share (5.0%)")
+    assert report.rejected[0].detail.endswith("(the loss through aux1, up to where it meets the "
+                                              "other loss terms)")
+
+
+def test_min_part_share_is_the_line_between_early_and_kept():
+    (every,) = erase_fx.explain(AuxTrunk(2), *chain_inputs(), erase_options=ALL_PARTS)
+    (part,) = every.blocks
+    share = part.flops / every.backward_flops
+    assert 0.05 < share < 1  # the default runs it early
+    (below,) = erase_fx.explain(AuxTrunk(2), *chain_inputs(),
+                                erase_options={"min_part_share": share * 0.99})
+    (above,) = erase_fx.explain(AuxTrunk(2), *chain_inputs(),
+                                erase_options={"min_part_share": share * 1.01})
+    assert [b.params for b in below.blocks] == [AUX]
+    assert above.blocks == () and above.rejected[0].reason == RejectReason.SMALL_PART
+
+
+def test_whole_blocks_are_not_held_to_min_part_share():
+    # each block of a detached chain is a whole component: early at any share
+    (report,) = erase_fx.explain(Chain(4), *chain_inputs(),
+                                 erase_options={"min_part_share": 1.0})
+    assert len(report.blocks) == 3
+
+
+def test_small_parts_kept_back_train_as_stock():
+    # with the parts in the backward nothing runs early: the stock path, equal to eager
+    (report,) = reports_of(lambda: check_parity(TinyGoogLeNet(2), googlenet_inputs, steps=2,
+                                                rtol=0, atol=0))
+    assert report.blocks == () and report.fallback_reason == "no early block"
 
 
 # -- why a part cannot run early, in words ----------------------------------------
@@ -154,7 +202,8 @@ def reports_of(fn):
 ])
 def test_aux_heads_equal_eager_bitwise_with_aot_eager(model, inputs, blocks):
     # NB: with T = 1 the early parts equal eager's values, and the sums add them in eager's order
-    (report,) = reports_of(lambda: check_parity(model(), inputs, steps=2, rtol=0, atol=0))
+    (report,) = reports_of(lambda: check_parity(model(), inputs, options=ALL_PARTS, steps=2,
+                                                    rtol=0, atol=0))
     assert len(report.blocks) == blocks and report.fallback_reason is None
 
 
@@ -163,8 +212,8 @@ def test_aux_heads_equal_eager_bitwise_with_aot_eager(model, inputs, blocks):
     (lambda: AuxTrunk(2, weight=2.5), chain_inputs, lambda loss: 0.5 * loss),
 ])
 def test_aux_heads_with_scaled_or_weighted_losses_equal_eager(model, inputs, loss_of):
-    (report,) = reports_of(lambda: check_parity(model(), inputs, steps=2, loss_of=loss_of,
-                                                rtol=1e-5, atol=1e-6))
+    (report,) = reports_of(lambda: check_parity(model(), inputs, options=ALL_PARTS, steps=2,
+                                                loss_of=loss_of, rtol=1e-5, atol=1e-6))
     assert report.blocks
 
 
@@ -174,6 +223,6 @@ def test_aux_heads_with_scaled_or_weighted_losses_equal_eager(model, inputs, los
 ])
 def test_aux_heads_equal_eager_with_inductor(model, inputs, loss_of, blocks):
     (report,) = reports_of(lambda: check_parity(model(), inputs, steps=2, loss_of=loss_of,
-                                                options={"inner": "inductor"},
+                                                options={"inner": "inductor", **ALL_PARTS},
                                                 rtol=1e-4, atol=1e-5))
     assert len(report.blocks) == blocks and report.fallback_reason is None
