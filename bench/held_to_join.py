@@ -134,11 +134,12 @@ def held_values(program: program_module.StreamProgram, env: list,
     found = []
     for slots, size in _own_storages(program, env):
         # NB: a storage is held for the slot that holds it longest: returned, else crossing
-        slot = min(slots, key=lambda s: HOLD_ORDER.index(kind_of(s)))
+        kind, slot = min(((kind_of(s), s) for s in slots),
+                         key=lambda pair: HOLD_ORDER.index(pair[0]))
         value = env[slot]
         made_by = (program.steps[producer[slot]].name if slot in producer
                    else "a constant" if slot in constants else "an input")
-        found.append(HeldValue(size, kind_of(slot), made_by,
+        found.append(HeldValue(size, kind, made_by,
                                f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"))
     return found
 

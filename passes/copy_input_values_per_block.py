@@ -53,6 +53,7 @@ from erase_fx.passes.graph import (
     draws_random_numbers,
     output_node,
     rebuild_in_order,
+    topo_positions,
     val_of,
 )
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, is_early, set_meta
@@ -113,8 +114,7 @@ class _Analysis:
     @classmethod
     def of(cls, graph: fx.Graph) -> _Analysis:
         nodes = list(graph.nodes)
-        return cls(nodes, {n: i for i, n in enumerate(nodes)}, _made_from_inputs(nodes),
-                   _returned(graph))
+        return cls(nodes, topo_positions(graph), _made_from_inputs(nodes), _returned(graph))
 
     def is_source(self, node: fx.Node) -> bool:
         """A node a copy reads as it is, never copies: a graph input or a returned value."""
