@@ -154,7 +154,8 @@ def early_info(variant: Variant, reports) -> dict:
             "erase_fallback": fallbacks[0][:300] if fallbacks else None}
 
 
-def run_config(cfg, variants, args, out_of_time=lambda: False) -> list[dict]:
+def run_config(cfg, variants, args, out_of_time=lambda: False,
+               on_row=lambda rows: None) -> list[dict]:
     device = torch.device("cuda")
     torch.manual_seed(0)
     try:
@@ -183,6 +184,7 @@ def run_config(cfg, variants, args, out_of_time=lambda: False) -> list[dict]:
             print(f"  {cfg} {name}: FAILED {message}", flush=True)
             rows.append({"config": str(cfg), "variant": name, "error": message})
             torch._dynamo.reset()
+        on_row(rows)
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -522,8 +524,10 @@ def main(argv=None) -> int:
     for cfg in configs:
         names = variants_for(str(cfg), variants, args)
         print(f"{cfg}: {len(names)} variants", flush=True)
-        rows += run_config(cfg, names, args, out_of_time)
-        write(out, meta, rows, quiet=True)  # NB: a killed run keeps what it measured
+        # NB: written after every row, so a run killed mid-config keeps what it measured
+        done = list(rows)
+        rows += run_config(cfg, names, args, out_of_time,
+                           on_row=lambda new: write(out, meta, done + new, quiet=True))
     write(out, meta, rows)
     return 0
 
