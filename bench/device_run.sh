@@ -39,7 +39,15 @@
 #   bash bench/device_run.sh gpt8-a    why gpt:8:768:1024:6 loses 5% (the first config where the
 #                                      schedule is slower than stock): the one-stream control,
 #                                      stages on main, 2 side streams, then torch.profiler traces
-#                                      of inductor+step and erase+step (~9 min)
+#                                      of inductor+step and erase+step, then the CPU time per step
+#                                      of reduce-overhead and erase+graphs on mlp:128 (~9.5 min)
+#   bash bench/device_run.sh recompute-a  recompute_boundary_values (off by default, /recompute)
+#                                      against the default and stock on the gpt chains, where
+#                                      segment boundaries cost 9 points on one stream (~6 min)
+#   bash bench/device_run.sh recompute-b  the same on the three small chains and DGL ResNet-18
+#                                      (~7 min)
+#   bash bench/device_run.sh recompute-c  the same on MobileNetV3 DGL (~6 min): with a-c, the
+#                                      bench configs the default would change if it flipped
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -106,6 +114,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
+  recompute-a|recompute-b|recompute-c) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -176,11 +185,24 @@ case "$1" in
     timeout 150 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
       --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
   gpt8-a)
-    timeout 420 python3 -m bench.run --budget-s 360 --out "$OUT/gpt8-a.json" --streams '' \
+    # NB: about 60 s a row on a cold cache; the overhead parts fit the rest of the call
+    timeout 330 python3 -m bench.run --budget-s 270 --out "$OUT/gpt8-a.json" --streams '' \
       --configs gpt:8:768:1024:6 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/one-stream,erase+step/stages-on-main,erase+step/streams=2 || true
-    timeout 150 python3 -m bench.overhead --config gpt:8:768:1024:6 \
-      --variants inductor+step,erase+step --trace-dir "$OUT" 2>&1 | tail -n 80 ;;
+    timeout 150 python3 -m bench.overhead --config gpt:8:768:1024:6 --steps 50 \
+      --variants inductor+step,erase+step --trace-dir "$OUT" 2>&1 | tee "$OUT/overhead-gpt8.log" || true
+    # the default path's CPU time per step on a small chain (issue 12, item 5: before)
+    timeout 90 python3 -m bench.overhead --config mlp:128:2000:2000:4 --top 25 \
+      --variants reduce-overhead,erase+graphs 2>&1 | tee "$OUT/overhead-mlp128.log" ;;
+  recompute-a)
+    run recompute-a gpt:8:768:1024:6,gpt:16:384:256:8 inductor+step,erase+step,erase+step/recompute \
+      --sweep-configs '' --trials 5 ;;
+  recompute-b)
+    run recompute-b "$SMALL,tv-resnet18-dgl:256:32" inductor+step,erase+step,erase+step/recompute \
+      --sweep-configs '' --trials 5 ;;
+  recompute-c)
+    run recompute-c tv-mobilenet-dgl:256:64 inductor+step,erase+step,erase+step/recompute \
+      --sweep-configs '' --trials 5 ;;
   vision-g)
     timeout 570 python3 -m bench.run --budget-s 330 --out "$OUT/vision-g.json" --streams '' \
       --configs tv-googlenet-aux:128:64 --sweep-configs '' --trials 5 \

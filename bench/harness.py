@@ -40,6 +40,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   the default's rule decides), ``/shared-input-values``
   (``options={"copy_input_values": False}``: large values made from the
   inputs alone shared between blocks, as the partitioner left them),
+  ``/recompute`` (``options={"recompute_boundary_values": True}``: each
+  block's segment recomputes the cheap elementwise values it would read
+  across its boundary: what the recomputation saves or loses),
   ``/all-parts`` (``options={"min_part_share": 0.0}``: every gradient part
   early, however small: what the cost check on parts saves or loses),
   ``/aot_eager``
@@ -71,7 +74,7 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
 CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "shared-input-values",
-            "all-parts", "aot_eager")  # and streams=N, release-lag=N
+            "recompute", "all-parts", "aot_eager")  # and streams=N, release-lag=N
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -176,6 +179,8 @@ class Variant:
             options["stages_on_side"] = self.control == "stages-on-side"
         elif self.control == "shared-input-values":
             options["copy_input_values"] = False
+        elif self.control == "recompute":
+            options["recompute_boundary_values"] = True
         elif self.control == "all-parts":
             options["min_part_share"] = 0.0
         elif self.control == "aot_eager":

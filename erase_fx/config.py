@@ -111,6 +111,19 @@ class EraseConfig:
             block under CUDA graph capture. The copies cost one elementwise
             pass each (fused into the block's kernels with Inductor).
             ``False``: share them, as the partitioner left them.
+        recompute_boundary_values: each block's segment (its head, local
+            loss and early backward) recomputes the cheap elementwise values
+            it reads from the forward (a GELU's pieces, casts), fused into its
+            own kernels, where that makes it read fewer bytes across its
+            segment boundary (`passes/recompute_boundary_values.py`), as the
+            stock partitioner recomputes such values in the backward. Without
+            it a segment boundary passes every value that crosses it, written
+            out and read back: a one-stream control of gpt:8:768:1024:6 ran
+            1.10x of stock's step where the same program compiled whole ran
+            1.01x (H200, step API). ``False`` (default, until the H200
+            measures the pass on every bench config): read them across the
+            boundary. On the CPU it cuts what gpt:1:128:64:3's block segments
+            read across their boundaries from 1.14 to 0.31 MiB.
         min_part_share: the cost check on gradient parts (an auxiliary head
             on a trunk it is not detached from, one tower of several over a
             shared front: `passes/split_at_sums.py`). Such a part runs early
@@ -153,6 +166,7 @@ class EraseConfig:
     release_lag: int | None = None
     stages_on_side: bool | None = None
     copy_input_values: bool = True
+    recompute_boundary_values: bool = False
     min_part_share: float = 0.05
     early_allreduce: bool = True
     on_error: str = "fallback"
@@ -173,6 +187,7 @@ class EraseConfig:
         _check_type("overlap", self.overlap, bool)
         _check_type("early_allreduce", self.early_allreduce, bool)
         _check_type("copy_input_values", self.copy_input_values, bool)
+        _check_type("recompute_boundary_values", self.recompute_boundary_values, bool)
         if (isinstance(self.min_part_share, bool)
                 or not isinstance(self.min_part_share, (int, float))
                 or not 0 <= self.min_part_share <= 1):

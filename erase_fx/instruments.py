@@ -16,11 +16,12 @@ pass's `PassResult` renders its own: `PassResult.render`) into
     03_partition_joint_graph.bwd.py
     04_copy_input_values_per_block.py the forward, large input-only values copied per block
     05_assign_streams.py              the forward, with streams in comments
-    06_split_segments.py              the split module, then one file per segment
-    06_split_segments.seg_<k>_....py
-    06_split_segments.segments.json
-    07_bwd.py                         the backward AOT hands over (at the first backward)
-    08_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
+    06_recompute_boundary_values.py   the forward, block segments' cheap boundary values recomputed
+    07_split_segments.py              the split module, then one file per segment
+    07_split_segments.seg_<k>_....py
+    07_split_segments.segments.json
+    08_bwd.py                         the backward AOT hands over (at the first backward)
+    09_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
     report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
     schedule.dot                      the forward after assign_streams, drawn (needs pydot)

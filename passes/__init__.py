@@ -19,6 +19,8 @@ On the forward module::
     copy_input_values_per_block forward -> forward where each block makes its own copy of a
                                 large value made from inputs alone that others read too
     assign_streams              forward -> forward with streams and sync points
+    recompute_boundary_values   forward -> forward where each block segment recomputes the
+                                cheap elementwise values it would read across its boundary
     split_segments              forward -> split module + ordered per-stream segments
 
 On the backward module::
@@ -47,6 +49,10 @@ from erase_fx.passes.copy_input_values_per_block import (
     copy_input_values_per_block,
 )
 from erase_fx.passes.pass_result import Artifact, DumpFile, PassResult
+from erase_fx.passes.recompute_boundary_values import (
+    BoundaryRecomputes,
+    recompute_boundary_values,
+)
 from erase_fx.passes.schedule_early_backward import schedule_early_backward
 from erase_fx.passes.split_at_sums import Meeting, TermSplit, split_at_sums
 from erase_fx.passes.split_segments import Segment, SegmentedForward, Segments, split_segments
@@ -68,6 +74,7 @@ __all__ = [
     "Artifact",
     "Block",
     "BlockAnalysis",
+    "BoundaryRecomputes",
     "Component",
     "DeferredScaling",
     "DumpFile",
@@ -92,6 +99,7 @@ __all__ = [
     "find_stop_gradient_blocks",
     "get_meta",
     "partition_joint_graph",
+    "recompute_boundary_values",
     "run_pass",
     "run_passes",
     "schedule_early_backward",

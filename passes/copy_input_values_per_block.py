@@ -51,8 +51,11 @@ from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
     clone_module,
     draws_random_numbers,
+    is_view,
     output_node,
     rebuild_in_order,
+    returned_values,
+    tensor_bytes,
     topo_positions,
     val_of,
 )
@@ -114,7 +117,7 @@ class _Analysis:
     @classmethod
     def of(cls, graph: fx.Graph) -> _Analysis:
         nodes = list(graph.nodes)
-        return cls(nodes, topo_positions(graph), _made_from_inputs(nodes), _returned(graph))
+        return cls(nodes, topo_positions(graph), _made_from_inputs(nodes), returned_values(graph))
 
     def is_source(self, node: fx.Node) -> bool:
         """A node a copy reads as it is, never copies: a graph input or a returned value."""
@@ -157,11 +160,11 @@ class _Analysis:
         the main stream, from where other streams read it) unless it is copied too."""
         if node not in self.large:
             chain, inputs = self.chain_of(node)
-            sizes = [0 if i in self.returned else _bytes(val_of(i)) for i in inputs]
+            sizes = [0 if i in self.returned else tensor_bytes(val_of(i)) for i in inputs]
             limit = None if None in sizes else max(MIN_BYTES, GROWTH * sum(sizes))
             self.large[node] = limit is not None and any(
-                (size := _bytes(val_of(n))) is not None and size >= limit
-                for n in chain if not _is_view(n))
+                (size := tensor_bytes(val_of(n))) is not None and size >= limit
+                for n in chain if not is_view(n))
         return self.large[node]
 
     def chain_of(self, node: fx.Node) -> tuple[set[fx.Node], set[fx.Node]]:
@@ -243,42 +246,6 @@ def _copyable(node: fx.Node) -> bool:
     return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 
 
-def _returned(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes the forward returns, and the nodes they are views of."""
-    found: set[fx.Node] = set()
-    stack = list(output_node(graph).all_input_nodes)
-    while stack:
-        node = stack.pop()
-        if node in found:
-            continue
-        found.add(node)
-        if _is_view(node):
-            stack.extend(node.all_input_nodes[:1])  # NB: a view's base is its first input
-    return found
-
-
-def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
-def _bytes(value) -> int | None:
-    """Bytes of a tensor value (its shape's numel, at the shape's hints); None if unknown (no
-    example value, a size without a hint); 0 for a non-tensor (a SymInt, a number)."""
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor):
-        return 0
-    numel = 1
-    for size in value.shape:
-        if isinstance(size, torch.SymInt):
-            hint = size.node.hint
-            if hint is None:
-                return None
-            size = int(hint)
-        numel *= int(size)
-    return numel * value.element_size()
-
-
 def _copy_chain(analysis: _Analysis, graph: fx.Graph, node: fx.Node, owner: Owner, *,
                 made: dict[fx.Node, fx.Node], origin: dict[fx.Node, fx.Node]) -> fx.Node:
     """``node`` copied for ``owner`` (before the output: `_copies_before_readers` places it),
@@ -337,7 +304,7 @@ def _listed(to_copy: list[fx.Node], made: dict[Owner, dict[fx.Node, fx.Node]],
                      if node in made[o] and made[o][node] in alive)
         if kept:
             copies[node.name] = kept
-            sizes[node.name] = _bytes(val_of(node)) or 0
+            sizes[node.name] = tensor_bytes(val_of(node)) or 0
     return copies, sizes
 
 

@@ -125,3 +125,41 @@ def draws_random_numbers(node: fx.Node) -> bool:
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and (
         torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def is_view(node: fx.Node) -> bool:
+    """A call of an aten or prims op whose output is a view of its first input."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def returned_values(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the graph returns, and the nodes they are views of (a forward's outputs and
+    the values it saves for the backward: they live past its end whoever reads them)."""
+    found: set[fx.Node] = set()
+    stack = list(output_node(graph).all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        found.add(node)
+        if is_view(node):
+            stack.extend(node.all_input_nodes[:1])  # NB: a view's base is its first input
+    return found
+
+
+def tensor_bytes(value: Any) -> int | None:
+    """Bytes of a tensor value (its shape's numel, at the shape's hints); None if unknown (no
+    example value, a size without a hint); 0 for a non-tensor (a SymInt, a number)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        if isinstance(size, torch.SymInt):
+            hint = size.node.hint
+            if hint is None:
+                return None
+            size = int(hint)
+        numel *= int(size)
+    return numel * value.element_size()

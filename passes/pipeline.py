@@ -5,7 +5,8 @@ AOTAutograd hands erase_fx three modules at three times
 first ``.backward()``, the backward. Each has its list of passes, in order::
 
     JOINT_PASSES     find_stop_gradient_blocks > schedule_early_backward > partition_joint_graph
-    FORWARD_PASSES   copy_input_values_per_block > assign_streams > split_segments
+    FORWARD_PASSES   copy_input_values_per_block > assign_streams > recompute_boundary_values
+                     > split_segments
     BACKWARD_PASSES  defer_grad_scaling
 
 `run_passes` runs one list over a module with the config: each pass reads the
@@ -49,6 +50,10 @@ from erase_fx.passes.find_stop_gradient_blocks import (
 )
 from erase_fx.passes.partition_joint_graph import check_partition, partition_joint_graph
 from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.recompute_boundary_values import (
+    check_boundary_values,
+    recompute_boundary_values,
+)
 from erase_fx.passes.schedule_early_backward import check_early_schedule, schedule_early_backward
 from erase_fx.passes.split_segments import check_segments, split_segments
 
@@ -191,6 +196,15 @@ def _check_streams(result: PassResult, context: PassContext) -> None:
     check_stream_assignment(result.gm)
 
 
+def _recompute_boundary_values(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return recompute_boundary_values(gm, context.cfg)
+
+
+def _check_boundary_values(result: PassResult, context: PassContext) -> None:
+    if context.cfg.recompute_boundary_values:
+        check_boundary_values(result)
+
+
 def _split_segments(gm: fx.GraphModule, context: PassContext) -> PassResult:
     return split_segments(gm, context.cfg)
 
@@ -214,6 +228,8 @@ PARTITION_JOINT_GRAPH = Pass("partition_joint_graph", _partition, _check_partiti
 COPY_INPUT_VALUES_PER_BLOCK = Pass("copy_input_values_per_block", _copy_input_values,
                                    _check_input_values)
 ASSIGN_STREAMS = Pass("assign_streams", _assign_streams, _check_streams)
+RECOMPUTE_BOUNDARY_VALUES = Pass("recompute_boundary_values", _recompute_boundary_values,
+                                 _check_boundary_values)
 SPLIT_SEGMENTS = Pass("split_segments", _split_segments, _check_segments)
 DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_deferred)
 
@@ -224,6 +240,7 @@ JOINT_PASSES: tuple[Pass, ...] = (
     FIND_STOP_GRADIENT_BLOCKS, SCHEDULE_EARLY_BACKWARD, PARTITION_JOINT_GRAPH)
 #: On the forward AOT hands over, when it holds early nodes; these run after the stock
 #: partitioner, whose CSE can merge a block's node with a forward node or another block's.
-FORWARD_PASSES: tuple[Pass, ...] = (COPY_INPUT_VALUES_PER_BLOCK, ASSIGN_STREAMS, SPLIT_SEGMENTS)
+FORWARD_PASSES: tuple[Pass, ...] = (COPY_INPUT_VALUES_PER_BLOCK, ASSIGN_STREAMS,
+                                    RECOMPUTE_BOUNDARY_VALUES, SPLIT_SEGMENTS)
 #: On the backward, at the first ``.backward()``, when the graph has early blocks.
 BACKWARD_PASSES: tuple[Pass, ...] = (DEFER_GRAD_SCALING,)

@@ -575,6 +575,7 @@ class Stages:
         forward = run_passes(FORWARD_PASSES, self.fw, cfg)
         self.copied = forward["copy_input_values_per_block"]
         self.assigned = forward["assign_streams"]
+        self.recomputed = forward["recompute_boundary_values"]
         self.segmented = forward["split_segments"]
 
 

@@ -14,7 +14,7 @@ from erase_fx.passes.copy_input_values_per_block import (
     MIN_BYTES,
     check_input_values_per_block,
 )
-from erase_fx.passes.graph import val_of
+from erase_fx.passes.graph import returned_values, val_of
 from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
 from erase_fx.report_text import format_report
 from graphs import Chain, Stages, assert_same_grads, chain_inputs
@@ -38,7 +38,7 @@ def large_cross_stream_reads(gm) -> list[tuple[str, str]]:
     """(producer, reader) of every value of MIN_BYTES or more that a node reads from another
     stream (what CUDA graph capture holds until the join), but those the forward returns
     (saved for the backward: they live past the join anyway)."""
-    returned = pass_module._returned(gm.graph)
+    returned = returned_values(gm.graph)
     found = []
     for node in gm.graph.nodes:
         if node.op in ("output", "placeholder"):

@@ -26,7 +26,7 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
     assert sorted(set(stems)) == [
         "00_joint", "01_find_stop_gradient_blocks", "02_schedule_early_backward",
         "03_partition_joint_graph", "04_copy_input_values_per_block", "05_assign_streams",
-        "06_split_segments", "07_bwd", "08_defer_grad_scaling",
+        "06_recompute_boundary_values", "07_split_segments", "08_bwd", "09_defer_grad_scaling",
     ]
     assert {"report.json", "timings.json"} <= set(names)
     assert ("schedule.dot" in names) == pydot_available()
@@ -48,7 +48,7 @@ def test_each_py_file_opens_with_its_step_pass_and_position(tmp_path):
         "# erase_fx dump, step 00 of this graph's pipeline: joint (a recorded value, not a pass)\n")
     bwd = (graph / "03_partition_joint_graph.bwd.py").read_text()
     assert "# this file: the backward module\n" in bwd
-    segment = next(graph.glob("06_split_segments.seg_1_*.py"))
+    segment = next(graph.glob("07_split_segments.seg_1_*.py"))
     assert f"# this file: segment {segment.name.split('.')[1]} of the split module\n" in (
         segment.read_text())
     for path in graph.glob("*.py"):
@@ -61,9 +61,10 @@ def test_timings_are_in_their_own_file_not_in_the_headers(tmp_path):
     assert timings["unit"] == "seconds"
     assert [t["pass"] for t in timings["passes"]] == [
         "find_stop_gradient_blocks", "schedule_early_backward", "partition_joint_graph",
-        "copy_input_values_per_block", "assign_streams", "split_segments", "defer_grad_scaling",
+        "copy_input_values_per_block", "assign_streams", "recompute_boundary_values",
+        "split_segments", "defer_grad_scaling",
     ]
-    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5, 6, 8]
+    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5, 6, 7, 9]
     assert all(t["seconds"] >= 0 for t in timings["passes"])
     assert timings["total"] == pytest.approx(sum(t["seconds"] for t in timings["passes"]),
                                              abs=1e-5)

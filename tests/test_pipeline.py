@@ -19,7 +19,7 @@ from erase_fx.passes import (
 )
 from graphs import Chain, TwoBlockOneLoss, chain_inputs, trace_joint, two_block_inputs
 
-CFG = EraseConfig(inner="aot_eager")
+CFG = EraseConfig(inner="aot_eager", recompute_boundary_values=True)
 LISTS = {"joint": JOINT_PASSES, "forward": FORWARD_PASSES, "backward": BACKWARD_PASSES}
 
 
@@ -129,13 +129,14 @@ def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
     forward = results["forward"]
     assert seen[3] == ("copy_input_values_per_block", joint["partition_joint_graph"].artifact.fw)
     assert seen[4] == ("assign_streams", forward["copy_input_values_per_block"].gm)
-    assert seen[5] == ("split_segments", forward["assign_streams"].gm)
+    assert seen[5] == ("recompute_boundary_values", forward["assign_streams"].gm)
+    assert seen[6] == ("split_segments", forward["recompute_boundary_values"].gm)
 
 
 CHECKS = [
     ("check_block_analysis", "joint"), ("check_early_schedule", "joint"),
     ("check_partition", "joint"), ("check_input_values_per_block", "forward"),
-    ("check_stream_assignment", "forward"),
+    ("check_stream_assignment", "forward"), ("check_boundary_values", "forward"),
     ("check_segments", "forward"), ("check_deferred_scaling", "backward"),
 ]
 

@@ -53,6 +53,23 @@ def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
     ]
 
 
+def test_a_block_that_recomputes_stage_0s_constant_no_longer_waits_for_it():
+    """With recompute_boundary_values, block 1 makes the constant itself (it read it from
+    stage 0 above): one wait fewer, the rest of the schedule as it was."""
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True,
+                                   recompute_boundary_values=True))
+    assert trace == [
+        ("fork", (1, 2)),
+        ("run", 1), ("record", 1),
+        ("run", 1), ("record", 1),
+        ("wait", 2, (1,)), ("run", 2), ("record", 2),
+        ("run", 2), ("record", 2),  # block 1: no wait for stage 0
+        ("wait", 0, (2,)), ("run", 0),
+        ("wait", 0, (1, 2)), ("run", 0),
+        ("join", (1, 2)),
+    ]
+
+
 def test_program_returns_the_forward_values_and_consumes_its_inputs():
     stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
     program, _ = build(stages, trace=False)
