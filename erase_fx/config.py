@@ -122,8 +122,10 @@ class EraseConfig:
             1.10x of stock's step where the same program compiled whole ran
             1.01x (H200, step API). ``False`` (default, until the H200
             measures the pass on every bench config): read them across the
-            boundary. On the CPU it cuts what gpt:1:128:64:3's block segments
-            read across their boundaries from 1.14 to 0.31 MiB.
+            boundary. On the CPU it cuts the memory gpt:1:128:64:3's block
+            segments read across their boundaries from 2.22 to 1.35 MiB (the
+            GELU's fp32 pieces; what is left: casts and activations that
+            matrix products read, LayerNorm's inputs).
         min_part_share: the cost check on gradient parts (an auxiliary head
             on a trunk it is not detached from, one tower of several over a
             shared front: `passes/split_at_sums.py`). Such a part runs early

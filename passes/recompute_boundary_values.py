@@ -18,10 +18,11 @@ own; or, where none pays alone, a group is: the values that such new inputs
 (with what the segment reads already) suffice to make, when they hold more
 bytes than the new inputs (a tanh GELU's three fp32 pieces, made from one
 fp32 matrix product). Inputs the segment reads already, graph inputs, and
-values the forward returns cost nothing: they exist anyway. A value that
-matrix work in the segment reads is recomputed only through views (a
-product needs its operand written out: recomputed, it would be written again
-by a kernel of its own). New inputs come only from streams the segment reads
+values the forward returns cost nothing: they exist anyway; bytes are memory
+(a view holds none of its own, a new view holds its base). A value that
+matrix work in the segment reads is never recomputed (a product needs its
+operand written out: recomputed, it would be written again by a kernel of
+its own). New inputs come only from streams the segment reads
 from already (its own, where its stage runs, or the main stream), so no
 segment waits for a stream it did not wait for. A chain of more than
 `MAX_CHAIN` nodes is not copied. Originals nothing reads any more are dropped.
@@ -222,7 +223,7 @@ class _Planner:
         """The chain to copy if recomputing ``value`` alone in a segment (``members``) that
         reads ``reads`` makes it read fewer bytes across its boundary, else None."""
         found = self._chain_and_new_inputs(value, reads, members)
-        if found is None or not self._gains([value], found[1]):
+        if found is None or not self._gains([value], found[1], reads):
             return None
         return found[0]
 
@@ -231,18 +232,16 @@ class _Planner:
                               ) -> tuple[list[fx.Node], list[fx.Node]] | None:
         """``value``'s chain and the inputs of it the segment does not read yet (free values
         left out); None for a value that is free, not recomputable or too long a chain, or
-        that matrix work in the segment reads through a chain that is not views alone (the
-        product needs it written out: recomputed, it would be written again, by a kernel of
-        its own, to save only the holding; a weight's cast read by its gradient's
-        product)."""
+        that matrix work in the segment reads (the product needs it written out: recomputed,
+        it would be written again, by a kernel of its own, to save only the holding; a
+        weight's cast read by its gradient's product)."""
         if self.free(value) or not recomputable(value):
             return None
         found = self.chain_of(value, reads)
         if found is None:
             return None
         chain, inputs = found
-        if (any(node_flops(u) > 0 for u in value.users if u in members)
-                and not all(is_view(n) for n in chain)):
+        if any(node_flops(u) > 0 for u in value.users if u in members):
             return None
         new = sorted((i for i in inputs if i not in reads and not self.free(i)),
                      key=self.position.__getitem__)
@@ -260,7 +259,7 @@ class _Planner:
         streams = segment.streams_read(self.free)
         for value in ordered:
             found = self._chain_and_new_inputs(value, segment.reads, segment.members, streams)
-            if found is not None and self._gains([value], found[1]):
+            if found is not None and self._gains([value], found[1], segment.reads):
                 return [value]
         for value in ordered:
             found = self._chain_and_new_inputs(value, segment.reads, segment.members, streams)
@@ -272,19 +271,31 @@ class _Planner:
                      if (made := self._chain_and_new_inputs(w, widened, segment.members,
                                                             streams)) is not None
                      and not made[1]]
-            if self._gains(group, new):
+            if self._gains(group, new, segment.reads):
                 return group
         return None
 
-    @staticmethod
-    def _gains(values: list[fx.Node], new: list[fx.Node]) -> bool:
-        """Whether ``values`` hold more bytes than the new inputs ``new`` they are made from."""
-        saved = [tensor_bytes(val_of(v)) for v in values]
-        added = [tensor_bytes(val_of(i)) for i in new]
+    def base_of(self, node: fx.Node) -> fx.Node:
+        """The value whose memory ``node`` is (itself, or the base of the views it is)."""
+        while is_view(node):
+            node = node.all_input_nodes[0]
+        return node
+
+    def _gains(self, values: list[fx.Node], new: list[fx.Node], reads: set[fx.Node]) -> bool:
+        """Whether ``values`` hold more bytes than the new inputs ``new`` they are made from,
+        in memory: a view holds none of its own; a new view holds its base unless that is
+        free or read already."""
+        saved = [0 if is_view(v) else tensor_bytes(val_of(v)) for v in values]
+        held = {self.base_of(i) for i in new}
+        read = {self.base_of(r) for r in reads}
+        added = [tensor_bytes(val_of(b)) for b in held if not self.free(b) and b not in read]
         return None not in saved and None not in added and sum(saved) > sum(added)
 
     def boundary_bytes(self, segment: _Segment) -> int:
-        return sum(tensor_bytes(val_of(v)) or 0 for v in segment.reads if not self.free(v))
+        """The bytes of memory the segment reads from outside: each value's base once, free
+        values (graph inputs, returned values, views of them) left out."""
+        bases = {self.base_of(v) for v in segment.reads}
+        return sum(tensor_bytes(val_of(b)) or 0 for b in bases if not self.free(b))
 
 
 def plan_recomputes(graph: fx.Graph) -> list[tuple[str, str]]:
