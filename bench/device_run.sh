@@ -48,6 +48,10 @@
 #                                      (~7 min)
 #   bash bench/device_run.sh recompute-c  the same on MobileNetV3 DGL (~6 min): with a-c, the
 #                                      bench configs the default would change if it flipped
+#   bash bench/device_run.sh segments-a  bench.segment_cost on gpt:8:768:1024:6 with --recompute
+#                                      and profiler traces: stock, segments and the forward whole
+#                                      on one stream, side streams, and the two segmented rows
+#                                      with recompute_boundary_values (~6 min; 6 traces + log)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -114,7 +118,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
-  recompute-a|recompute-b|recompute-c) ;;
+  recompute-a|recompute-b|recompute-c|segments-a) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -194,6 +198,9 @@ case "$1" in
     # the default path's CPU time per step on a small chain (issue 12, item 5: before)
     timeout 90 python3 -m bench.overhead --config mlp:128:2000:2000:4 --top 25 \
       --variants reduce-overhead,erase+graphs 2>&1 | tee "$OUT/overhead-mlp128.log" ;;
+  segments-a)
+    timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --recompute \
+      --trace-dir "$OUT" 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/segment-cost.log" ;;
   recompute-a)
     run recompute-a gpt:8:768:1024:6,gpt:16:384:256:8 inductor+step,erase+step,erase+step/recompute \
       --sweep-configs '' --trials 5 ;;
