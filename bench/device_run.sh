@@ -52,6 +52,12 @@
 #                                      and profiler traces: stock, segments and the forward whole
 #                                      on one stream, side streams, and the two segmented rows
 #                                      with recompute_boundary_values (~6 min; 6 traces + log)
+#   bash bench/device_run.sh onegraph-a  recompute_boundary_values (/recompute) and no side stream
+#                                      (/streams=0: the forward compiled as one graph, the early
+#                                      backward in order on the main stream) against the default
+#                                      and stock on the gpt chains: time and step memory (~8 min)
+#   bash bench/device_run.sh onegraph-b  the same on ctr:16384 and the three small chains (~9 min)
+#   bash bench/device_run.sh onegraph-c  the same on DGL ResNet-18 and MobileNetV3 (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -118,7 +124,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
-  recompute-a|recompute-b|recompute-c|segments-a) ;;
+  recompute-a|recompute-b|recompute-c|segments-a|onegraph-a|onegraph-b|onegraph-c) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -141,6 +147,8 @@ VISION=inductor+step,erase+step,inductor+graph,erase+step-graph,reduce-overhead,
 VISION+=,inductor,erase,erase+step-graph/one-stream
 # NB: issue 13's quick before/after (vision-e): the step API and erase's own graphs against stock
 ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-stream
+# NB: the default against its two candidate changes (recompute_boundary_values, streams=0)
+ONEGRAPH=inductor+step,erase+step,erase+step/recompute,erase+step/streams=0
 # run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
 run() {
   local name=$1 configs=$2 variants=$3
@@ -201,6 +209,15 @@ case "$1" in
   segments-a)
     timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --recompute \
       --trace-dir "$OUT" 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/segment-cost.log" ;;
+  onegraph-a)
+    run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
+      --budget-s 480 ;;
+  onegraph-b)
+    run onegraph-b "ctr:16384:1024:2048:6,$SMALL" "$ONEGRAPH" --sweep-configs '' --trials 5 \
+      --budget-s 480 ;;
+  onegraph-c)
+    run onegraph-c tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 "$ONEGRAPH" \
+      --sweep-configs '' --trials 5 --budget-s 480 ;;
   recompute-a)
     run recompute-a gpt:8:768:1024:6,gpt:16:384:256:8 inductor+step,erase+step,erase+step/recompute \
       --sweep-configs '' --trials 5 ;;

@@ -32,7 +32,8 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
 - control, the same program with one thing changed (erase only):
   ``/one-stream`` (``options={"overlap": False}``: every segment on the main
   stream, same segments and kernels: what the overlap alone is worth),
-  ``/streams=N`` (N side streams), ``/release-lag=N`` (``options=
+  ``/streams=N`` (N side streams; ``/streams=0``: no side stream, the
+  forward compiled as one graph), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
   last reader instead of at the join), ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
@@ -143,7 +144,7 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            if control not in CONTROLS and not re.fullmatch(r"(streams|release-lag)=[1-9]\d*",
+            if control not in CONTROLS and not re.fullmatch(r"streams=(0|[1-9]\d*)|release-lag=[1-9]\d*",
                                                             control):
                 raise ValueError(f"variant {name!r}: control {control!r} is not one of "
                                  f"{', '.join(CONTROLS)}, streams=N, release-lag=N")

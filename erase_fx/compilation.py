@@ -10,7 +10,8 @@ instruments time and dump each pass; then it does what is not a pass::
 
     partition         JOINT_PASSES; no early block: the stock partitioner
     compile_forward   FORWARD_PASSES, then each segment compiled, and the StreamProgram
-                      driving them (CUDA graphs where allowed)
+                      driving them (CUDA graphs where allowed); with ``streams=0``
+                      the forward compiled whole, on the main stream
     compile_backward  BACKWARD_PASSES, then compiled, as a ScaledBackward (scales early
                       grads in place)
 
@@ -114,7 +115,11 @@ class GraphCompilation:
         if self.require_early_blocks and not self.has_early_blocks:
             raise NoEarlyBlocks(self.graph_id)
         if self.has_early_blocks and self.data_parallel is not None and self.cfg.early_allreduce:
-            self._plan_early_allreduce(fw, bw, num_fwd_outputs)
+            if self.cfg.streams == 0:
+                log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
+                         "gradient at .backward()", self.graph_id)
+            else:
+                self._plan_early_allreduce(fw, bw, num_fwd_outputs)
         return fw, bw
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -130,21 +135,24 @@ class GraphCompilation:
                         **inductor_kwargs: Any) -> Any:
         self._note_forward_metadata()
         blocks = len(self.report.blocks)
+        early = f"{blocks} early block{'s' if blocks != 1 else ''}"
         if not any(is_early(n) for n in fw.graph.nodes):
             with compiling(self.graph_id, "forward", f"no early block; with {self.cfg.inner}: "):
                 compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-        else:
-            if self.cfg.inner == "inductor":
-                keep_early_values_at_fx_strides(fw)
-            with compiling(self.graph_id, "forward",
-                           f"{blocks} early block{'s' if blocks != 1 else ''}; with "
-                           f"{self.cfg.inner}, in segments: "):
-                try:
-                    compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
-                except Exception as error:  # noqa: BLE001 - the documented fallback
-                    self._fall_back("compile_forward", error, keep_schedule=True)
-                    compiled = compile_graph(fw, example_inputs, self.cfg.inner,
-                                             **inductor_kwargs)
+            return self._maybe_graph_forward(compiled, example_inputs)
+        if self.cfg.inner == "inductor":
+            keep_early_values_at_fx_strides(fw)
+        if self.cfg.streams == 0:
+            with compiling(self.graph_id, "forward", f"{early}, no side stream; with "
+                           f"{self.cfg.inner}, in one graph: "):
+                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
+            return self._maybe_graph_forward(compiled, example_inputs)
+        with compiling(self.graph_id, "forward", f"{early}; with {self.cfg.inner}, in segments: "):
+            try:
+                compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
+            except Exception as error:  # noqa: BLE001 - the documented fallback
+                self._fall_back("compile_forward", error, keep_schedule=True)
+                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         return self._maybe_graph_forward(compiled, example_inputs)
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],

@@ -34,7 +34,15 @@ class EraseConfig:
             bound): 2, 4 and 8 side streams 2-3% faster than none (every
             segment on the main stream), 1 side stream 0.4%; 4 keeps
             consecutive blocks of a chain on different streams at no
-            measurable cost.
+            measurable cost. ``0``: no side stream and no segments: each
+            early block's backward runs on the main stream where the schedule
+            places it, and the forward compiles as one graph, so Inductor
+            fuses across where the segment boundaries would be. No overlap;
+            the least memory: each block's activations are freed as soon as
+            its backward has run, under CUDA graph capture too (one stream
+            reuses its own memory). Under DDP it leaves the all-reduce of
+            every gradient to DDP's buckets (``early_allreduce`` needs the
+            side streams' program).
         inner: the compiler of each segment and of the backward:
             ``"inductor"`` (fused kernels; the graph is traced with Inductor's
             decompositions), ``"aot_eager"`` (each segment runs its FX code, as
@@ -175,8 +183,9 @@ class EraseConfig:
 
     def __post_init__(self) -> None:
         _check_type("streams", self.streams, int)
-        if self.streams < 1:
-            raise EraseOptionError("streams", self.streams, "an integer >= 1")
+        if self.streams < 0:
+            raise EraseOptionError("streams", self.streams,
+                                   "an integer >= 0 (0: the forward in one graph, no side stream)")
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("partitioner", self.partitioner, PARTITIONERS)
         _check_choice("on_error", self.on_error, ON_ERROR)

@@ -111,7 +111,9 @@ def _heading(report: GraphReport, number: int) -> str:
         f"{_count(len(report.rejected), 'component')} left in the backward\n  "
         f"{report.early_share:.0%} of the backward FLOPs run early "
         f"({_si(report.early_flops)} of {_si(report.backward_flops)}); "
-        f"inner {report.inner or '?'}, {_count(report.streams, 'side stream')}"
+        f"inner {report.inner or '?'}, "
+        + (_count(report.streams, "side stream") if report.streams
+           else "no side stream (the forward in one graph)")
         + (", each block's stage on its side stream" if report.stages_on_side else "")
         + (f"\n  each block makes its own copy of {_count(report.input_copies, 'value')} made "
            f"from the inputs alone ({report.input_copy_bytes / 2**20:.1f} MiB; "

@@ -85,8 +85,8 @@ PASS_NAME = "assign_streams"
 
 
 def stream_of_block(block: int, cfg: EraseConfig) -> int:
-    """The side stream a block runs on: round-robin over ``cfg.streams``."""
-    return 1 + block % cfg.streams
+    """The side stream a block runs on: round-robin over ``cfg.streams`` (with none, the main)."""
+    return 1 + block % cfg.streams if cfg.streams else MAIN_STREAM
 
 
 def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:

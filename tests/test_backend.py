@@ -241,3 +241,23 @@ def test_a_block_in_pieces_equals_eager(inner, model):
                                                 options={"inner": inner}, **tolerance))
     assert [b.pieces for b in report.blocks] == [4]
     assert [r.reason for r in report.rejected] == ["last_block"]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_no_side_stream_compiles_the_forward_as_one_graph(inner, monkeypatch):
+    # streams=0: the early backward still runs in the forward (the same blocks),
+    # but the forward is one compiled graph: no segments, no StreamProgram.
+    from erase_fx import compilation
+    from erase_fx.report_text import format_report
+
+    def no_segments(*args, **kwargs):
+        raise AssertionError("streams=0 compiled the forward in segments")
+
+    monkeypatch.setattr(compilation.GraphCompilation, "_compile_segments", no_segments)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if inner == "inductor" else {}
+    reports = reports_of(lambda: check_parity(Chain(3), chain_inputs, steps=2,
+                                              options={"inner": inner, "streams": 0},
+                                              **tolerance))
+    (report,) = reports
+    assert len(report.blocks) == 2 and report.fallback_reason is None
+    assert "no side stream (the forward in one graph)" in format_report(report)

@@ -127,7 +127,7 @@ def test_segment_failure_falls_back_to_one_stream_with_early_grads_kept(monkeypa
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"streams": 0}, "streams=0"),
+    ({"streams": -1}, "streams=-1"),
     ({"streams": True}, "streams=True"),
     ({"inner": "tvm"}, "'inductor', 'aot_eager', 'eager'"),
     ({"on_error": "ignore"}, "'fallback', 'raise'"),
