@@ -41,23 +41,21 @@
 #                                      stages on main, 2 side streams, then torch.profiler traces
 #                                      of inductor+step and erase+step, then the CPU time per step
 #                                      of reduce-overhead and erase+graphs on mlp:128 (~9.5 min)
-#   bash bench/device_run.sh recompute-a  recompute_boundary_values (off by default, /recompute)
-#                                      against the default and stock on the gpt chains, where
-#                                      segment boundaries cost 9 points on one stream (~6 min)
-#   bash bench/device_run.sh recompute-b  the same on the three small chains and DGL ResNet-18
-#                                      (~7 min)
-#   bash bench/device_run.sh recompute-c  the same on MobileNetV3 DGL (~6 min): with a-c, the
-#                                      bench configs the default would change if it flipped
-#   bash bench/device_run.sh segments-a  bench.segment_cost on gpt:8:768:1024:6 with --recompute
+#   bash bench/device_run.sh segments-a  bench.segment_cost on gpt:8:768:1024:6 with --no-recompute
 #                                      and profiler traces: stock, segments and the forward whole
 #                                      on one stream, side streams, and the two segmented rows
-#                                      with recompute_boundary_values (~6 min; 6 traces + log)
-#   bash bench/device_run.sh onegraph-a  recompute_boundary_values (/recompute) and no side stream
-#                                      (/streams=0: the forward compiled as one graph, the early
-#                                      backward in order on the main stream) against the default
-#                                      and stock on the gpt chains: time and step memory (~8 min)
+#                                      without recompute_boundary_values (~6 min; 6 traces + log)
+#   bash bench/device_run.sh onegraph-a  the default against /no-recompute (recompute_boundary_values
+#                                      off, the default before 2026-12-02) and /streams=0 (no side
+#                                      stream: the forward compiled as one graph, the early
+#                                      backward in order on the main stream) and stock on the gpt
+#                                      chains: time and step memory (~7 min)
 #   bash bench/device_run.sh onegraph-b  the same on ctr:16384 and the three small chains (~9 min)
-#   bash bench/device_run.sh onegraph-c  the same on DGL ResNet-18 and MobileNetV3 (~9 min)
+#   bash bench/device_run.sh onegraph-c  the same on MobileNetV3 and DGL ResNet-18 (~9 min; at about
+#                                      100 s of compile a MobileNetV3 variant, the budget may drop
+#                                      ResNet-18's last rows)
+#   bash bench/device_run.sh onegraph-d  the same on the last of issue 13's torchvision configs, the
+#                                      ViT (DGL), and EfficientNet-B0 (DGL) (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -124,7 +122,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
-  recompute-a|recompute-b|recompute-c|segments-a|onegraph-a|onegraph-b|onegraph-c) ;;
+  segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -147,8 +145,8 @@ VISION=inductor+step,erase+step,inductor+graph,erase+step-graph,reduce-overhead,
 VISION+=,inductor,erase,erase+step-graph/one-stream
 # NB: issue 13's quick before/after (vision-e): the step API and erase's own graphs against stock
 ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-stream
-# NB: the default against its two candidate changes (recompute_boundary_values, streams=0)
-ONEGRAPH=inductor+step,erase+step,erase+step/recompute,erase+step/streams=0
+# NB: the default against the default before (no recompute) and the one-graph mode (streams=0)
+ONEGRAPH=inductor+step,erase+step,erase+step/no-recompute,erase+step/streams=0
 # run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
 run() {
   local name=$1 configs=$2 variants=$3
@@ -207,7 +205,7 @@ case "$1" in
     timeout 90 python3 -m bench.overhead --config mlp:128:2000:2000:4 --top 25 \
       --variants reduce-overhead,erase+graphs 2>&1 | tee "$OUT/overhead-mlp128.log" ;;
   segments-a)
-    timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --recompute \
+    timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --no-recompute \
       --trace-dir "$OUT" 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/segment-cost.log" ;;
   onegraph-a)
     run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
@@ -216,17 +214,11 @@ case "$1" in
     run onegraph-b "ctr:16384:1024:2048:6,$SMALL" "$ONEGRAPH" --sweep-configs '' --trials 5 \
       --budget-s 480 ;;
   onegraph-c)
-    run onegraph-c tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 "$ONEGRAPH" \
+    run onegraph-c tv-mobilenet-dgl:256:64,tv-resnet18-dgl:256:32 "$ONEGRAPH" \
       --sweep-configs '' --trials 5 --budget-s 480 ;;
-  recompute-a)
-    run recompute-a gpt:8:768:1024:6,gpt:16:384:256:8 inductor+step,erase+step,erase+step/recompute \
-      --sweep-configs '' --trials 5 ;;
-  recompute-b)
-    run recompute-b "$SMALL,tv-resnet18-dgl:256:32" inductor+step,erase+step,erase+step/recompute \
-      --sweep-configs '' --trials 5 ;;
-  recompute-c)
-    run recompute-c tv-mobilenet-dgl:256:64 inductor+step,erase+step,erase+step/recompute \
-      --sweep-configs '' --trials 5 ;;
+  onegraph-d)
+    run onegraph-d tv-vit-dgl:256:32,tv-efficientnet-dgl:128:64 "$ONEGRAPH" \
+      --sweep-configs '' --trials 5 --budget-s 480 ;;
   vision-g)
     timeout 570 python3 -m bench.run --budget-s 330 --out "$OUT/vision-g.json" --streams '' \
       --configs tv-googlenet-aux:128:64 --sweep-configs '' --trials 5 \

@@ -41,9 +41,11 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   the default's rule decides), ``/shared-input-values``
   (``options={"copy_input_values": False}``: large values made from the
   inputs alone shared between blocks, as the partitioner left them),
-  ``/recompute`` (``options={"recompute_boundary_values": True}``: each
-  block's segment recomputes the cheap elementwise values it would read
-  across its boundary: what the recomputation saves or loses),
+  ``/no-recompute`` (``options={"recompute_boundary_values": False}``: each
+  block's segment reads every value across its boundary instead of
+  recomputing the cheap elementwise ones: what the recomputation saves or
+  loses; ``/recompute``, ``True``, the default since 2026-12-02, names the
+  rows measured before),
   ``/all-parts`` (``options={"min_part_share": 0.0}``: every gradient part
   early, however small: what the cost check on parts saves or loses),
   ``/aot_eager``
@@ -75,7 +77,7 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
 CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "shared-input-values",
-            "recompute", "all-parts", "aot_eager")  # and streams=N, release-lag=N
+            "recompute", "no-recompute", "all-parts", "aot_eager")  # and streams=N, release-lag=N
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -180,8 +182,8 @@ class Variant:
             options["stages_on_side"] = self.control == "stages-on-side"
         elif self.control == "shared-input-values":
             options["copy_input_values"] = False
-        elif self.control == "recompute":
-            options["recompute_boundary_values"] = True
+        elif self.control in ("recompute", "no-recompute"):
+            options["recompute_boundary_values"] = self.control == "recompute"
         elif self.control == "all-parts":
             options["min_part_share"] = 0.0
         elif self.control == "aot_eager":

@@ -16,8 +16,9 @@ trials of ``--steps`` steps, CUDA events):
   falls back to when segments fail to compile), on one stream: what the same
   work costs without boundaries;
 - ``side streams, segments``: erase's default (``erase+step``);
-- with ``--recompute``, also the two segmented rows with
-  ``recompute_boundary_values=True`` (``/recompute``).
+- with ``--no-recompute``, also the two segmented rows with
+  ``recompute_boundary_values=False`` (``/no-recompute``: every value read
+  across the boundary, the default before 2026-12-02).
 
 The gap between the second and third rows is what the boundaries cost;
 between the second and fourth, what the overlap wins. ``--trace-dir`` also
@@ -45,10 +46,10 @@ ROWS = (
     ("one stream, forward whole", "erase+step/one-stream", True),
     ("side streams, segments", "erase+step", False),
 )
-RECOMPUTE_ROWS = (
-    ("one stream, segments, recompute", "erase+step/one-stream", False,
-     {"recompute_boundary_values": True}),
-    ("side streams, segments, recompute", "erase+step/recompute", False, {}),
+NO_RECOMPUTE_ROWS = (
+    ("one stream, segments, no recompute", "erase+step/one-stream", False,
+     {"recompute_boundary_values": False}),
+    ("side streams, segments, no recompute", "erase+step/no-recompute", False, {}),
 )
 
 
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="gpt:8:768:1024:6,gpt:16:384:256:8")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--recompute", action="store_true",
-                        help="also the segmented rows with recompute_boundary_values=True")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="also the segmented rows with recompute_boundary_values=False")
     parser.add_argument("--trace-dir", help="write a profiler trace of each row here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -170,8 +171,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     rows = [(label, variant, whole, {}) for label, variant, whole in ROWS]
-    if args.recompute:
-        rows += RECOMPUTE_ROWS
+    if args.no_recompute:
+        rows += NO_RECOMPUTE_ROWS
     tables = []
     for text in args.configs.split(","):
         cfg = parse_config(text)

@@ -126,14 +126,15 @@ class EraseConfig:
             segment boundary (`passes/recompute_boundary_values.py`), as the
             stock partitioner recomputes such values in the backward. Without
             it a segment boundary passes every value that crosses it, written
-            out and read back: a one-stream control of gpt:8:768:1024:6 ran
-            1.10x of stock's step where the same program compiled whole ran
-            1.01x (H200, step API). ``False`` (default, until the H200
-            measures the pass on every bench config): read them across the
-            boundary. On the CPU it cuts the memory gpt:1:128:64:3's block
-            segments read across their boundaries from 2.22 to 1.35 MiB (the
-            GELU's fp32 pieces; what is left: casts and activations that
-            matrix products read, LayerNorm's inputs).
+            out and read back. ``True`` (default): measured on an H200 (step
+            API against stock ``inductor+step``, ``python -m bench.run``,
+            2026-12-02), on against off: gpt:8:768:1024:6 0.96x of stock
+            (off: 1.04x) with 1.33x its step memory (off: 2.04x),
+            gpt:16:384:256:8 0.90x (0.97x), 1.29x (1.67x); DGL ResNet-18
+            equal time, 5% less memory; the small chains and ctr:16384
+            within 1% of off; MobileNetV3 DGL 0.87x of stock against 0.85x
+            off (2.6% slower) with 11% less memory. ``False``: read them
+            across the boundary.
         min_part_share: the cost check on gradient parts (an auxiliary head
             on a trunk it is not detached from, one tower of several over a
             shared front: `passes/split_at_sums.py`). Such a part runs early
@@ -176,7 +177,7 @@ class EraseConfig:
     release_lag: int | None = None
     stages_on_side: bool | None = None
     copy_input_values: bool = True
-    recompute_boundary_values: bool = False
+    recompute_boundary_values: bool = True
     min_part_share: float = 0.05
     early_allreduce: bool = True
     on_error: str = "fallback"

@@ -84,6 +84,8 @@ def test_erase_options_of_the_controls():
     assert Variant.parse("erase+step/all-parts").erase_options["min_part_share"] == 0.0
     assert Variant.parse("erase+step/recompute").erase_options[
         "recompute_boundary_values"] is True
+    assert Variant.parse("erase+step/no-recompute").erase_options[
+        "recompute_boundary_values"] is False
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
 

@@ -40,7 +40,8 @@ def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end(
 
 
 def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
-    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True,
+                                   recompute_boundary_values=False))
     assert trace == [
         ("fork", (1, 2)),
         ("run", 1), ("record", 1),  # stage 0: stage 1 and the main stream read its output
@@ -54,8 +55,8 @@ def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
 
 
 def test_a_block_that_recomputes_stage_0s_constant_no_longer_waits_for_it():
-    """With recompute_boundary_values, block 1 makes the constant itself (it read it from
-    stage 0 above): one wait fewer, the rest of the schedule as it was."""
+    """With recompute_boundary_values (the default), block 1 makes the constant itself (it
+    read it from stage 0 above): one wait fewer, the rest of the schedule as it was."""
     trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True,
                                    recompute_boundary_values=True))
     assert trace == [

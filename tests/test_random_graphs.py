@@ -78,3 +78,21 @@ def test_random_graph_with_a_scaled_loss(seed):
     torch.manual_seed(seed)
     check_parity(RandomGraph(seed), inputs, options=ALL_PARTS, steps=2,
                  loss_of=lambda loss: 3.0 * loss)
+
+
+@pytest.fixture(scope="module")
+def blocks_seen_in_one_graph():
+    seen = []
+    yield seen
+    # NB: most seeds must have early blocks, or streams=0 is tested on stock graphs only
+    assert sum(seen) >= 4, f"only {sum(seen)} of the random graphs had early blocks"
+
+
+@pytest.mark.parametrize("seed", SEEDS[:6])
+def test_random_graph_in_one_graph_equals_eager_bitwise(seed, blocks_seen_in_one_graph):
+    # streams=0: the same early backward, the forward compiled whole on the main stream
+    torch.manual_seed(seed)
+    with erase_fx.collect_reports() as reports:
+        check_parity(RandomGraph(seed), inputs, options={**ALL_PARTS, "streams": 0}, steps=2,
+                     rtol=0, atol=0)
+    blocks_seen_in_one_graph.append(any(r.blocks for r in reports))
