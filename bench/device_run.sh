@@ -56,6 +56,9 @@
 #                                      ResNet-18's last rows)
 #   bash bench/device_run.sh onegraph-d  the same on the last of issue 13's torchvision configs, the
 #                                      ViT (DGL), and EfficientNet-B0 (DGL) (~9 min)
+#   bash bench/device_run.sh overhead-a  the CPU time per step of reduce-overhead and erase+graphs
+#                                      (erase's own graphs) on the three small chains, with
+#                                      cProfile's top functions (issue 12, item 5) (~4 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -122,7 +125,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
-  segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d) ;;
+  segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -207,6 +210,11 @@ case "$1" in
   segments-a)
     timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --no-recompute \
       --trace-dir "$OUT" 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/segment-cost.log" ;;
+  overhead-a)
+    for config in ${SMALL//,/ }; do
+      timeout 80 python3 -m bench.overhead --config "$config" --top 25 \
+        --variants reduce-overhead,erase+graphs 2>&1 | grep -v '^erase_fx: graph' || true
+    done | tee "$OUT/overhead-small.log" ;;
   onegraph-a)
     run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
       --budget-s 480 ;;

@@ -26,8 +26,8 @@ def test_plan_marks_outputs_that_live_in_input_memory():
     passthrough, view = saved, saved[1:].t()
     plan = plan_outputs([own, passthrough, view, None], [saved, tangent])
     assert plan[0] is own
-    assert plan[1] == AliasOf(0, (4, 3), (3, 1), 0)
-    assert plan[2] == AliasOf(0, (3, 3), (1, 3), 3)
+    assert plan[1] == AliasOf(0, (4, 3), (3, 1), 0, whole=True)
+    assert plan[2] == AliasOf(0, (3, 3), (1, 3), 3, whole=False)
     assert plan[3] is None
 
 

@@ -108,13 +108,17 @@ class AliasOf:
     Such an output (a gradient computed by the forward and passed through
     the backward, or one written into a donated saved tensor) is rebuilt at
     each replay as a view of that input, so the graph holds no reference to
-    memory it does not own.
+    memory it does not own. ``whole``: the output is the whole input (its
+    shape, strides and offset), so a replay rebuilds it with one detach.
+    The geometry is decided at capture: a backward replays only over the
+    saved tensors of the last forward replay, the same tensors every step.
     """
 
     input_index: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    whole: bool = False
 
 
 def plan_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
@@ -129,28 +133,34 @@ def plan_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
             else None
         if j is None:
             plan.append(value)
-        else:
-            plan.append(AliasOf(j, tuple(value.shape), tuple(value.stride()),
-                                value.storage_offset()))
+            continue
+        geometry = (tuple(value.shape), tuple(value.stride()), value.storage_offset())
+        source = inputs[j]
+        plan.append(AliasOf(j, *geometry, whole=geometry == (
+            tuple(source.shape), tuple(source.stride()), source.storage_offset())))
     return plan
 
 
 def realize_outputs(plan: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
-    """The outputs of one replay: fresh aliases of graph memory or of the inputs' memory."""
-    outputs = []
+    """The outputs of one replay: fresh aliases of graph memory or of the inputs' memory.
+
+    NB: every backward replay runs this over every gradient (about 50 on a
+    small chain), so it does no more than one detach (and one ``as_strided``
+    for a partial alias) per output.
+    """
+    outputs: list[Any] = []
+    append = outputs.append
     for entry in plan:
-        if isinstance(entry, AliasOf):
-            source = inputs[entry.input_index]
-            if (tuple(source.shape) == entry.size and tuple(source.stride()) == entry.stride
-                    and source.storage_offset() == entry.storage_offset):
-                outputs.append(source.detach())
+        if entry.__class__ is AliasOf:
+            if entry.whole:
+                append(inputs[entry.input_index].detach())
             else:
-                outputs.append(source.detach().as_strided(entry.size, entry.stride,
-                                                          entry.storage_offset))
+                append(inputs[entry.input_index].detach().as_strided(
+                    entry.size, entry.stride, entry.storage_offset))
         elif isinstance(entry, torch.Tensor):
-            outputs.append(entry.detach())
+            append(entry.detach())
         else:
-            outputs.append(entry)
+            append(entry)
     return outputs
 
 
