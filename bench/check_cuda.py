@@ -350,7 +350,9 @@ def parity_checks(parity_cfg, parity_steps, device) -> int:
     for options in ({"inner": "aot_eager", "cudagraphs": False},
                     {"inner": "aot_eager", "cudagraphs": True},
                     {"inner": "inductor", "cudagraphs": False},
-                    {"inner": "inductor", "cudagraphs": True}):
+                    {"inner": "inductor", "cudagraphs": True},
+                    # the forward compiled whole, replayed from erase's graphs
+                    {"inner": "inductor", "cudagraphs": True, "streams": 0}):
         err, work = check_parity(parity_cfg, options, parity_steps, device)
         limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
         ok = err <= limit and work == expected

@@ -25,7 +25,7 @@ WORLD = 2
 
 
 def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float, queue,
-            model_name: str = "chain") -> None:
+            model_name: str = "chain", options: dict | None = None) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     import erase_fx
     from graphs import Chain, Towers, chain_inputs
@@ -42,7 +42,8 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
         module = copy.deepcopy(model)
         compiled = torch.compile(
             nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb),
-            backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+            backend="erase", options={"inner": "aot_eager", "on_error": "raise",
+                                      **(options or {})})
         worst = 0.0
         with erase_fx.collect_reports() as reports:
             for step in range(2):
@@ -62,12 +63,12 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
 
 
 def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
-            model_name: str = "chain") -> list[tuple]:
+            model_name: str = "chain", options: dict | None = None) -> list[tuple]:
     context = mp.get_context("spawn")
     queue = context.Queue()
     processes = [context.Process(target=_worker, args=(rank, str(tmp_path / "init"),
                                                        optimize_ddp, bucket_cap_mb, queue,
-                                                       model_name))
+                                                       model_name, options))
                  for rank in range(WORLD)]
     for process in processes:
         process.start()
@@ -79,15 +80,18 @@ def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("model_name, optimize_ddp, bucket_cap_mb, graphs, early_blocks", [
-    ("chain", False, 25.0, 1, 2),      # one graph: every block but the last goes early
-    ("chain", True, 1.0, 1, 2),        # torch's default: 1 MB buckets would split it; whole
-    ("towers", False, 25.0, 1, 2),     # the towers' parts; the shared front after the sum
+@pytest.mark.parametrize(
+        "model_name, optimize_ddp, bucket_cap_mb, graphs, early_blocks, options", [
+    ("chain", False, 25.0, 1, 2, None),  # one graph: every block but the last goes early
+    ("chain", True, 1.0, 1, 2, None),    # torch's default: 1 MB buckets would split it; whole
+    ("towers", False, 25.0, 1, 2, None),  # the towers' parts; the shared front after the sum
+    # no side stream: no early all-reduce, DDP's buckets reduce every gradient
+    ("chain", True, 1.0, 1, 2, {"streams": 0}),
 ])
 def test_ddp_gradients_equal_eager_ddp(tmp_path, model_name, optimize_ddp, bucket_cap_mb,
-                                       graphs, early_blocks):
+                                       graphs, early_blocks, options):
     for rank, worst, (num_graphs, blocks), error in run_ddp(tmp_path, optimize_ddp,
-                                                            bucket_cap_mb, model_name):
+                                                            bucket_cap_mb, model_name, options):
         assert error is None, f"rank {rank}: {error}"
         assert worst == 0.0, f"rank {rank}: grads differ from eager DDP by {worst}"
         assert num_graphs == graphs
