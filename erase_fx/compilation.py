@@ -53,6 +53,7 @@ from erase_fx.passes import (
     FORWARD_PASSES,
     JOINT_PASSES,
     BlockAnalysis,
+    BoundaryRecomputes,
     InputValueCopies,
     PassResult,
     run_passes,
@@ -219,10 +220,18 @@ class GraphCompilation:
         self.report = dataclasses.replace(self.report, input_copies=len(sizes),
                                           input_copy_bytes=sum(sizes.values()))
 
+    def _note_recomputes(self, recomputed: PassResult[BoundaryRecomputes]) -> None:
+        found = recomputed.artifact
+        self.report = dataclasses.replace(
+            self.report, recomputed_values=sum(map(len, found.recomputed.values())),
+            boundary_bytes_before=sum(found.bytes_before.get(k, 0) for k in found.recomputed),
+            boundary_bytes_after=sum(found.bytes_after.get(k, 0) for k in found.recomputed))
+
     def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                           inductor_kwargs: dict[str, Any]) -> StreamProgram:
         segmented = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
-                               after={"copy_input_values_per_block": self._note_input_copies},
+                               after={"copy_input_values_per_block": self._note_input_copies,
+                                      "recompute_boundary_values": self._note_recomputes},
                                )["split_segments"]
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)

@@ -107,6 +107,14 @@ class GraphReport:
         input_copy_bytes: the bytes of those values, summed (the values
             early nodes read; large values their copies are made through, a
             mask the row sums are taken of, are not counted again).
+        recomputed_values: how many values the block segments recompute
+            instead of reading them across their segment boundaries
+            (`EraseConfig.recompute_boundary_values`); set once the forward is
+            compiled.
+        boundary_bytes_before: the bytes the block segments read across their
+            boundaries before that recomputation, summed over the segments
+            that recompute something ...
+        boundary_bytes_after: ... and after it.
     """
 
     graph_id: int
@@ -120,6 +128,9 @@ class GraphReport:
     stages_on_side: bool = False
     input_copies: int = 0
     input_copy_bytes: int = 0
+    recomputed_values: int = 0
+    boundary_bytes_before: int = 0
+    boundary_bytes_after: int = 0
 
     @property
     def early_share(self) -> float:
@@ -179,7 +190,9 @@ class GraphReport:
     def with_fallback(self, reason: str) -> GraphReport:
         """The report of a graph that took the stock path: no early block."""
         return dataclasses.replace(self, blocks=(), early_flops=0, stages_on_side=False,
-                                   input_copies=0, input_copy_bytes=0, fallback_reason=reason)
+                                   input_copies=0, input_copy_bytes=0, recomputed_values=0,
+                                   boundary_bytes_before=0, boundary_bytes_after=0,
+                                   fallback_reason=reason)
 
     def summary(self) -> str:
         """One line: what the logger prints per compiled graph."""

@@ -118,6 +118,11 @@ def _heading(report: GraphReport, number: int) -> str:
         + (f"\n  each block makes its own copy of {_count(report.input_copies, 'value')} made "
            f"from the inputs alone ({report.input_copy_bytes / 2**20:.1f} MiB; "
            "copy_input_values)" if report.input_copies else "")
+        + (f"\n  the block segments recompute {_count(report.recomputed_values, 'value')} "
+           "instead of reading them across their boundaries:\n  "
+           f"{report.boundary_bytes_before / 2**20:.2f} -> "
+           f"{report.boundary_bytes_after / 2**20:.2f} MiB read (recompute_boundary_values)"
+           if report.recomputed_values else "")
     )
 
 

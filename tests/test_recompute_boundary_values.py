@@ -273,3 +273,20 @@ def test_the_check_refuses_a_value_left_that_pays():
     stages = gelu_stages(recompute=False)
     with pytest.raises(GraphInvariantError, match="pays to recompute"):
         check_boundary_values(stages.recomputed)
+
+
+def test_the_report_and_explain_say_what_the_segments_recompute():
+    import erase_fx
+    from erase_fx.report_text import format_report
+
+    torch.manual_seed(0)
+    (report,) = erase_fx.explain(GeluChain(), *gelu_inputs(),
+                                 erase_options={"inner": "inductor"})
+    assert report.recomputed_values > 0
+    assert 0 < report.boundary_bytes_after < report.boundary_bytes_before
+    assert (f"the block segments recompute {report.recomputed_values} values instead of "
+            "reading them across their boundaries") in format_report(report)
+    assert report.with_fallback("injected").recomputed_values == 0
+    (off,) = erase_fx.explain(GeluChain(), *gelu_inputs(), erase_options={
+        "inner": "inductor", "recompute_boundary_values": False})
+    assert off.recomputed_values == 0 and "recompute" not in format_report(off)
