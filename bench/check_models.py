@@ -16,6 +16,13 @@ on the seed and the element's index only, not on the dtype, on fusion or on
 erase's segments. So each variant's distance from the reference is rounding,
 and erase passes when its first-step gradients, its parameters after the last
 step and its BatchNorm buffers are within twice stock's distance (plus 1e-6).
+A trajectory can be unstable: a ReLU or a max-pool that flips after one step
+moves the state far whatever caused the difference (DGL ResNet-18 at batch 8
+on a CPU). So when erase's first-step gradients pass and its final state does
+not, stock is trained again from parameters perturbed by 1e-6
+(`PERTURBATION`); where that moves stock's own final state as far, erase's
+state is held to twice the sum of both distances instead, and the verdict
+says ``PASS (unstable trajectory ...)``. Gradients are never held to less.
 A reference stock itself is far from (over 1e-2) is reported INVALID, not
 passed. Random models also check that two steps on the same batch draw
 different masks (fresh masks at every CUDA graph replay).
@@ -46,6 +53,9 @@ import erase_fx
 STEPS = 3
 LR = 0.05
 INVALID_REFERENCE = 1e-2
+#: relative size of the random change to stock's initial parameters that measures how far an
+#: unstable trajectory moves by itself
+PERTURBATION = 1e-6
 
 
 def _vision(name: str, batch: int = 8, image: int = 32) -> Callable[[torch.device], tuple]:
@@ -151,16 +161,29 @@ def train(name: str, base: nn.Module, batch: tuple, steps: int,
             "model": model, "inputs": inputs}
 
 
-def distance(run: dict, reference: dict) -> float:
-    """The largest ||a - b|| / ||b|| over first-step grads and the final state."""
+def distance(run: dict, reference: dict, keys: tuple[str, ...] = ("grads", "state")) -> float:
+    """The largest ||a - b|| / ||b|| over first-step grads and the final state (``keys``)."""
     worst = 0.0
-    for key in ("grads", "state"):
+    for key in keys:
         for name, ref in reference[key].items():
             value = run[key].get(name)
             if value is None:
                 return float("inf")
             worst = max(worst, float((value - ref).norm() / ref.norm().clamp_min(1e-12)))
     return worst
+
+
+def perturbed(base: nn.Module) -> nn.Module:
+    """A copy of ``base`` with each floating parameter scaled by ``1 + PERTURBATION * N(0, 1)``
+    (its own generator: the training steps' seeds are untouched)."""
+    model = copy.deepcopy(base)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                noise = torch.randn(p.shape, generator=generator).to(p.device, p.dtype)
+                p.mul_(1 + PERTURBATION * noise)
+    return model
 
 
 def masks_are_fresh(run: dict) -> bool:
@@ -205,13 +228,25 @@ def check_model(name: str, builder: Callable, random: bool, device, steps: int,
     row["parts"] = sum(b.partials for r in reports for b in r.blocks)
     row["fallback"] = "; ".join(r.fallback_reason for r in reports if r.fallback_reason) or None
     verdicts = []
+    bound = 2 * row["stock"] + 1e-6
     for variant in ("erase", "erase-nographs"):
         if variant not in runs:
             verdicts.append(f"{variant} FAIL")
             continue
         row[variant] = distance(runs[variant], reference)
-        bound = 2 * row["stock"] + 1e-6
-        verdicts.append(f"{variant} {'PASS' if row[variant] <= bound else 'FAIL'}")
+        if row[variant] <= bound:
+            verdicts.append(f"{variant} PASS")
+        elif distance(runs[variant], reference, ("grads",)) > bound:
+            verdicts.append(f"{variant} FAIL")
+        else:  # the first step's gradients pass, the state after the last step does not
+            if "unstable" not in row:
+                row["unstable"] = distance(train("stock", perturbed(base), batch, steps),
+                                           runs["stock"], ("state",))
+            wider = 2 * (row["stock"] + row["unstable"]) + 1e-6
+            verdicts.append(
+                f"{variant} PASS (unstable trajectory: stock perturbed by {PERTURBATION:.0e} "
+                f"ends {row['unstable']:.1e} from stock)" if row[variant] <= wider
+                else f"{variant} FAIL")
     if random and "erase" in runs:
         row["fresh_masks"] = masks_are_fresh(runs["erase"])
         verdicts.append("masks " + ("PASS" if row["fresh_masks"] else "FAIL"))

@@ -146,8 +146,8 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            if control not in CONTROLS and not re.fullmatch(r"streams=(0|[1-9]\d*)|release-lag=[1-9]\d*",
-                                                            control):
+            numbered = r"streams=(0|[1-9]\d*)|release-lag=[1-9]\d*"
+            if control not in CONTROLS and not re.fullmatch(numbered, control):
                 raise ValueError(f"variant {name!r}: control {control!r} is not one of "
                                  f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
         return cls(compiler, capture, adam, control)

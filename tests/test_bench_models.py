@@ -108,3 +108,42 @@ def test_check_models_marks_a_model_cut_by_the_budget_incomplete():
                                    deadline=0.0)
     assert row["verdict"].startswith("INCOMPLETE (budget spent before stock64")
     assert "stock" not in row
+
+
+@pytest.mark.parametrize("erase_grads, erase_state, perturbed_state, verdict", [
+    (1.0, 1.0, None, "erase PASS"),                      # within twice stock's distance
+    (1.0, 1.02, 1.03, "erase PASS (unstable trajectory"),  # stock moves as far by itself
+    (1.0, 1.02, 1.0, "erase FAIL"),                      # stock's trajectory is stable
+    (1.05, 1.0, None, "erase FAIL"),                     # gradients are never held to less
+])
+def test_check_models_tells_an_unstable_trajectory_from_a_wrong_one(
+        monkeypatch, erase_grads, erase_state, perturbed_state, verdict):
+    from bench import check_models
+
+    def run(grads, state):
+        return {"grads": {"w": torch.tensor([grads])}, "state": {"w": torch.tensor([state])},
+                "reports": []}
+
+    # stock is 1e-3 from the float64 reference, on the first step's grads and the final state
+    runs = {"stock64": run(1.0, 1.0), "stock": run(1.001, 1.001),
+            "erase": run(erase_grads, erase_state), "erase-nographs": run(1.0, 1.0)}
+    perturbed = []
+
+    def train(variant, base, batch, steps, erase_options=None):
+        if variant == "stock" and "stock" in seen:  # the second stock run: the perturbed one
+            perturbed.append(base)
+            return run(1.001, perturbed_state)
+        seen.append(variant)
+        return runs[variant]
+
+    seen: list[str] = []
+    monkeypatch.setattr(check_models, "train", train)
+    base = torch.nn.Linear(2, 1)
+    row = check_models.check_model("tiny", lambda device: (base, ()), False,
+                                   torch.device("cpu"), steps=1)
+    assert row["verdict"].startswith(verdict), row["verdict"]
+    assert bool(perturbed) == (perturbed_state is not None)  # run only when grads pass
+    if perturbed:
+        (model,) = perturbed  # a perturbed copy of the model, the model itself untouched
+        assert model is not base and not torch.equal(model.weight, base.weight)
+        torch.testing.assert_close(model.weight, base.weight, rtol=1e-5, atol=0)
