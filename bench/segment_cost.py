@@ -12,9 +12,8 @@ trials of ``--steps`` steps, CUDA events):
 - ``one stream, segments``: erase with ``overlap=False`` (``erase+step/one-stream``):
   the segments and kernels of the default, on one stream;
 - ``one stream, forward whole``: the same early-backward program with its
-  forward compiled as one Inductor graph (the forward ``compile_forward``
-  falls back to when segments fail to compile), on one stream: what the same
-  work costs without boundaries;
+  forward compiled as one Inductor graph on the main stream
+  (``erase+step/streams=0``): what the same work costs without boundaries;
 - ``side streams, segments``: erase's default (``erase+step``);
 - with ``--no-recompute``, also the two segmented rows with
   ``recompute_boundary_values=False`` (``/no-recompute``: every value read
@@ -40,36 +39,18 @@ import torch
 from bench.harness import build_step
 from bench.models import build_config, parse_config
 
+#: (label, bench variant, erase options beside the variant's)
 ROWS = (
-    ("stock", "inductor+step", False),
-    ("one stream, segments", "erase+step/one-stream", False),
-    ("one stream, forward whole", "erase+step/one-stream", True),
-    ("side streams, segments", "erase+step", False),
+    ("stock", "inductor+step", {}),
+    ("one stream, segments", "erase+step/one-stream", {}),
+    ("one stream, forward whole", "erase+step/streams=0", {}),
+    ("side streams, segments", "erase+step", {}),
 )
 NO_RECOMPUTE_ROWS = (
-    ("one stream, segments, no recompute", "erase+step/one-stream", False,
+    ("one stream, segments, no recompute", "erase+step/one-stream",
      {"recompute_boundary_values": False}),
-    ("side streams, segments, no recompute", "erase+step/no-recompute", False, {}),
+    ("side streams, segments, no recompute", "erase+step/no-recompute", {}),
 )
-
-
-@contextlib.contextmanager
-def forward_compiled_whole():
-    """erase compiles an early-backward forward as one graph, on one stream (the fallback of
-    `GraphCompilation.compile_forward`, reached here without a failure)."""
-    from erase_fx import compilation
-    from erase_fx.emit.inner import compile_graph
-
-    real = compilation.GraphCompilation._compile_segments
-
-    def whole(self, fw, example_inputs, inductor_kwargs):
-        return compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-
-    compilation.GraphCompilation._compile_segments = whole
-    try:
-        yield
-    finally:
-        compilation.GraphCompilation._compile_segments = real
 
 
 @contextlib.contextmanager
@@ -123,13 +104,11 @@ def kernel_families(trace_path: str, steps: int) -> dict[str, float]:
     return dict(sorted(families.items(), key=lambda kv: -kv[1]))
 
 
-def measure(cfg, label: str, variant: str, whole: bool, options: dict, args) -> dict:
+def measure(cfg, label: str, variant: str, options: dict, args) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = build_config(cfg, torch.device("cuda"))
     with contextlib.ExitStack() as stack:
-        if whole:
-            stack.enter_context(forward_compiled_whole())
         if options:
             stack.enter_context(erase_options(**options))
         began = time.perf_counter()
@@ -170,9 +149,7 @@ def main(argv=None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
-    rows = [(label, variant, whole, {}) for label, variant, whole in ROWS]
-    if args.no_recompute:
-        rows += NO_RECOMPUTE_ROWS
+    rows = list(ROWS) + list(NO_RECOMPUTE_ROWS if args.no_recompute else ())
     tables = []
     for text in args.configs.split(","):
         cfg = parse_config(text)

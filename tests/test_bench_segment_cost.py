@@ -1,38 +1,18 @@
-"""bench.segment_cost's pieces that run without a GPU: the forward compiled whole (the same
-early-backward program, no segments) trains like eager; the kernel families of a trace."""
-import copy
+"""bench.segment_cost's pieces that run without a GPU: its rows, its options patch, the kernel
+families of a trace."""
 import json
-
-import torch
 
 from bench import segment_cost
 from bench.harness import Variant
-from erase_fx import compilation
-from graphs import Chain, assert_same_grads, chain_inputs
 
 
-def test_the_forward_compiled_whole_trains_like_eager_without_segments(monkeypatch):
-    segmented = []
-    real = compilation.GraphCompilation._compile_segments
-    monkeypatch.setattr(compilation.GraphCompilation, "_compile_segments",
-                        lambda self, *a: segmented.append(1) or real(self, *a))
-    torch.manual_seed(0)
-    model = Chain(3)
-    eager, erased = copy.deepcopy(model), copy.deepcopy(model)
-    with segment_cost.forward_compiled_whole():
-        compiled = torch.compile(erased, backend="erase",
-                                 options={"inner": "aot_eager", "on_error": "raise"})
-        inputs = chain_inputs()
-        eager(*inputs).backward()
-        compiled(*inputs).backward()
-    assert_same_grads(eager, erased)
-    assert segmented == []  # patched away inside
-    torch._dynamo.reset()
-    again = torch.compile(copy.deepcopy(model), backend="erase",
-                          options={"inner": "aot_eager", "on_error": "raise"})
-    again(*chain_inputs()).backward()
-    assert segmented  # restored after: the same model compiles in segments
-    torch._dynamo.reset()
+def test_the_rows_are_bench_variants_with_options():
+    """Every row names a variant the bench parses (the forward whole: ``/streams=0``)."""
+    rows = dict((label, variant) for label, variant, _ in
+                segment_cost.ROWS + segment_cost.NO_RECOMPUTE_ROWS)
+    assert rows["one stream, forward whole"] == "erase+step/streams=0"
+    for variant in rows.values():
+        Variant.parse(variant)
 
 
 def test_erase_options_patch_adds_options_and_restores():
