@@ -137,22 +137,23 @@ class GraphCompilation:
         self._note_forward_metadata()
         blocks = len(self.report.blocks)
         early = f"{blocks} early block{'s' if blocks != 1 else ''}"
+        in_segments = False
         if not any(is_early(n) for n in fw.graph.nodes):
-            with compiling(self.graph_id, "forward", f"no early block; with {self.cfg.inner}: "):
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-            return self._maybe_graph_forward(compiled, example_inputs)
-        if self.cfg.inner == "inductor":
-            keep_early_values_at_fx_strides(fw)
-        if self.cfg.streams == 0:
-            with compiling(self.graph_id, "forward", f"{early}, no side stream; with "
-                           f"{self.cfg.inner}, in one graph: "):
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-            return self._maybe_graph_forward(compiled, example_inputs)
-        with compiling(self.graph_id, "forward", f"{early}; with {self.cfg.inner}, in segments: "):
-            try:
-                compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
-            except Exception as error:  # noqa: BLE001 - the documented fallback
-                self._fall_back("compile_forward", error, keep_schedule=True)
+            label = f"no early block; with {self.cfg.inner}: "
+        else:
+            if self.cfg.inner == "inductor":
+                keep_early_values_at_fx_strides(fw)
+            in_segments = self.cfg.streams > 0
+            label = (f"{early}; with {self.cfg.inner}, in segments: " if in_segments else
+                     f"{early}, no side stream; with {self.cfg.inner}, in one graph: ")
+        with compiling(self.graph_id, "forward", label):
+            compiled = None
+            if in_segments:
+                try:
+                    compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
+                except Exception as error:  # noqa: BLE001 - the documented fallback
+                    self._fall_back("compile_forward", error, keep_schedule=True)
+            if compiled is None:
                 compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         return self._maybe_graph_forward(compiled, example_inputs)
 
