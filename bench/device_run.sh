@@ -59,6 +59,10 @@
 #   bash bench/device_run.sh overhead-a  the CPU time per step of reduce-overhead and erase+graphs
 #                                      (erase's own graphs) on the three small chains, with
 #                                      cProfile's top functions (issue 12, item 5) (~4 min)
+#   bash bench/device_run.sh streams-c 4, 3 and 2 side streams with recompute on (gpt:16:384:256:8,
+#                                      then ctr:16384 as the budget allows), erase's own graphs
+#                                      against reduce-overhead on the three small chains, and the
+#                                      DGL ViT with 2 side streams (~9 min; 2026-12-02-b-NOTES.md)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -125,7 +129,7 @@ case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
-  segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a) ;;
+  segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -215,6 +219,15 @@ case "$1" in
       timeout 80 python3 -m bench.overhead --config "$config" --top 25 \
         --variants reduce-overhead,erase+graphs 2>&1 | grep -v '^erase_fx: graph' || true
     done | tee "$OUT/overhead-small.log" ;;
+  streams-c)
+    run streams-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      inductor+step,erase+step,erase+step/streams=2,erase+step/streams=3 \
+      --sweep-configs '' --trials 5 --budget-s 220 || true
+    timeout 150 python3 -m bench.run --budget-s 110 --out "$OUT/default-small.json" --streams '' \
+      --configs "$SMALL" --variants reduce-overhead,erase+graphs --sweep-configs '' --trials 5 || true
+    timeout 160 python3 -m bench.run --budget-s 100 --out "$OUT/vit-streams.json" --streams '' \
+      --configs tv-vit-dgl:256:32 --variants inductor+step,erase+step/streams=2 --sweep-configs '' \
+      --trials 5 ;;
   onegraph-a)
     run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
       --budget-s 480 ;;
