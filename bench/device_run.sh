@@ -63,6 +63,13 @@
 #                                      then ctr:16384 as the budget allows), erase's own graphs
 #                                      against reduce-overhead on the three small chains, and the
 #                                      DGL ViT with 2 side streams (~9 min; 2026-12-02-b-NOTES.md)
+#   bash bench/device_run.sh streams-d fewer side streams for few blocks, stages kept on the main
+#                                      stream (with 2 streams the auto rule puts them on side, where
+#                                      the ViT's third stage queued behind the first block's
+#                                      backward: 1.01x of stock): the DGL ViT at 4 streams, at
+#                                      2 with stages on main, at 1 (~7 min, not yet run)
+#   bash bench/device_run.sh streams-e the same on DGL ResNet-18, then MobileNetV3 DGL as the
+#                                      budget allows (~9 min, not yet run)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -130,6 +137,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
+  streams-d|streams-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -154,6 +162,8 @@ VISION+=,inductor,erase,erase+step-graph/one-stream
 ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-stream
 # NB: the default against the default before (no recompute) and the one-graph mode (streams=0)
 ONEGRAPH=inductor+step,erase+step,erase+step/no-recompute,erase+step/streams=0
+# NB: 2 side streams with the stages on the main stream, against the default and one side stream
+FEWER=inductor+step,erase+step,erase+step/streams=2/stages-on-main,erase+step/streams=1
 # run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
 run() {
   local name=$1 configs=$2 variants=$3
@@ -228,6 +238,11 @@ case "$1" in
     timeout 160 python3 -m bench.run --budget-s 100 --out "$OUT/vit-streams.json" --streams '' \
       --configs tv-vit-dgl:256:32 --variants inductor+step,erase+step/streams=2 --sweep-configs '' \
       --trials 5 ;;
+  streams-d)
+    run streams-d tv-vit-dgl:256:32 "$FEWER" --sweep-configs '' --trials 5 --budget-s 420 ;;
+  streams-e)
+    run streams-e tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 "$FEWER" --sweep-configs '' \
+      --trials 5 --budget-s 450 ;;
   onegraph-a)
     run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
       --budget-s 480 ;;

@@ -48,6 +48,8 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   rows measured before),
   ``/all-parts`` (``options={"min_part_share": 0.0}``: every gradient part
   early, however small: what the cost check on parts saves or loses),
+  several of these one after another (``/streams=2/stages-on-main``: each
+  sets its own options; two that set the same option are an error),
   ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
   eager).
@@ -117,7 +119,7 @@ class Variant:
     compiler: str
     capture: str | None = None
     adam: bool = False
-    control: str | None = None  # one-stream | streams=N | release-lag=N | aot_eager
+    control: str | None = None  # one or more of CONTROLS, streams=N, release-lag=N, '/'-joined
 
     @classmethod
     def parse(cls, name: str) -> Variant:
@@ -147,9 +149,16 @@ class Variant:
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
             numbered = r"streams=(0|[1-9]\d*)|release-lag=[1-9]\d*"
-            if control not in CONTROLS and not re.fullmatch(numbered, control):
-                raise ValueError(f"variant {name!r}: control {control!r} is not one of "
-                                 f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
+            changed: dict[str, str] = {}
+            for one in control.split("/"):
+                if one not in CONTROLS and not re.fullmatch(numbered, one):
+                    raise ValueError(f"variant {name!r}: control {one!r} is not one of "
+                                     f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
+                for key in _control_options(one):
+                    if key in changed:
+                        raise ValueError(f"variant {name!r}: controls {changed[key]!r} and "
+                                         f"{one!r} both set {key}")
+                    changed[key] = one
         return cls(compiler, capture, adam, control)
 
     def __str__(self) -> str:
@@ -174,23 +183,10 @@ class Variant:
 
     @property
     def erase_options(self) -> dict[str, Any]:
-        """The backend options of an erase variant."""
+        """The backend options of an erase variant: the defaults, then each control's."""
         options: dict[str, Any] = {"inner": "inductor", "cudagraphs": self.capture == "graphs"}
-        if self.control == "one-stream":
-            options["overlap"] = False
-        elif self.control in ("stages-on-main", "stages-on-side"):
-            options["stages_on_side"] = self.control == "stages-on-side"
-        elif self.control == "shared-input-values":
-            options["copy_input_values"] = False
-        elif self.control in ("recompute", "no-recompute"):
-            options["recompute_boundary_values"] = self.control == "recompute"
-        elif self.control == "all-parts":
-            options["min_part_share"] = 0.0
-        elif self.control == "aot_eager":
-            options["inner"] = "aot_eager"
-        elif self.control is not None:
-            key, value = self.control.split("=")
-            options[key.replace("-", "_")] = int(value)
+        for one in self.control.split("/") if self.control else ():
+            options.update(_control_options(one))
         return options
 
     def stock(self) -> tuple[str, ...]:
@@ -208,6 +204,24 @@ class Variant:
         stock = {None: ("inductor",), "graphs": ("reduce-overhead", "inductor+graph"),
                  "step-graph": ("inductor+graph",), "step": ("inductor+step",)}[self.capture]
         return tuple(s + "+adam" if self.adam else s for s in stock)
+
+
+def _control_options(control: str) -> dict[str, Any]:
+    """The backend options one control sets (a valid control: `Variant.parse` checks)."""
+    fixed: dict[str, dict[str, Any]] = {
+        "one-stream": {"overlap": False},
+        "stages-on-main": {"stages_on_side": False},
+        "stages-on-side": {"stages_on_side": True},
+        "shared-input-values": {"copy_input_values": False},
+        "recompute": {"recompute_boundary_values": True},
+        "no-recompute": {"recompute_boundary_values": False},
+        "all-parts": {"min_part_share": 0.0},
+        "aot_eager": {"inner": "aot_eager"},
+    }
+    if control in fixed:
+        return fixed[control]
+    key, value = control.split("=")
+    return {key.replace("-", "_"): int(value)}
 
 
 def judged_erase(name: str) -> bool:

@@ -90,6 +90,23 @@ def test_erase_options_of_the_controls():
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
 
 
+def test_controls_chain_and_may_not_set_one_option_twice():
+    variant = Variant.parse("erase+step/streams=2/stages-on-main")
+    assert variant.erase_options == {"inner": "inductor", "cudagraphs": False, "streams": 2,
+                                     "stages_on_side": False}
+    assert str(variant) == "erase+step/streams=2/stages-on-main"
+    assert not harness.judged_erase(str(variant))
+    assert variant.stock() == ("inductor+step",)
+    with pytest.raises(ValueError, match="both set stages_on_side"):
+        Variant.parse("erase+step/stages-on-main/stages-on-side")
+    with pytest.raises(ValueError, match="both set streams"):
+        Variant.parse("erase+step/streams=2/streams=3")
+    with pytest.raises(ValueError, match="control 'bogus'"):
+        Variant.parse("erase+step/streams=2/bogus")
+    with pytest.raises(ValueError, match="control ''"):
+        Variant.parse("erase+step/streams=2/")
+
+
 def test_one_vocabulary_across_bench_and_its_tests():
     """No legacy name left in bench/ or the bench and paper tests; every list of names parses."""
     from bench import check_cuda, run
