@@ -96,3 +96,25 @@ def test_random_graph_in_one_graph_equals_eager_bitwise(seed, blocks_seen_in_one
         check_parity(RandomGraph(seed), inputs, options={**ALL_PARTS, "streams": 0}, steps=2,
                      rtol=0, atol=0)
     blocks_seen_in_one_graph.append(any(r.blocks for r in reports))
+
+
+@pytest.fixture(scope="module")
+def stages_seen_on_side():
+    seen = []
+    yield seen
+    # NB: with 2 side streams the auto rule puts stages on side once blocks outnumber them
+    assert sum(seen) >= 2, f"only {sum(seen)} of the random graphs ran stages on side streams"
+
+
+@pytest.mark.parametrize("stages_on_side", [None, False], ids=["auto", "stages-on-main"])
+@pytest.mark.parametrize("seed", SEEDS[:6])
+def test_random_graph_on_two_side_streams_equals_eager_bitwise(seed, stages_on_side,
+                                                               stages_seen_on_side):
+    # streams=2, the setting docs/performance.md gives chains of many blocks: a stream runs
+    # several blocks, each block's stage on its stream when blocks outnumber the streams
+    torch.manual_seed(seed)
+    options = {**ALL_PARTS, "streams": 2, "stages_on_side": stages_on_side}
+    with erase_fx.collect_reports() as reports:
+        check_parity(RandomGraph(seed), inputs, options=options, steps=2, rtol=0, atol=0)
+    if stages_on_side is None:
+        stages_seen_on_side.append(any(r.stages_on_side for r in reports))
