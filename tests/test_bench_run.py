@@ -124,6 +124,28 @@ def test_markdown_has_a_row_per_measurement_the_memory_columns_and_the_verdicts(
             in table)
 
 
+def test_markdown_says_what_the_memory_ratio_is_without_cublas_workspaces():
+    # stock: 100 MiB with 65 of workspaces; erase: 200 MiB with 131 -> 2.00x whole, 69/35 without
+    rows = [row(VISION, "inductor+step", 1.0, mem=100, workspace_bytes=65 * MIB),
+            row(VISION, "erase+step", 0.7, mem=200, workspace_bytes=131 * MIB),
+            row(SMALL, "inductor+step", 1.0, mem=100),
+            row(SMALL, "erase+step", 0.8, mem=150, workspace_bytes=99 * MIB)]
+    table = run.markdown(META, rows, run.judge_targets(rows))
+    line = next(line for line in table.splitlines() if f"| {VISION} | erase+step |" in line)
+    assert "| 2.00x inductor+step |" in line
+    assert "kept has 131 MiB of cuBLAS workspaces, memory without cuBLAS workspaces 1.97x " \
+           "inductor+step" in line
+    stock = next(line for line in table.splitlines() if f"| {VISION} | inductor+step |" in line)
+    assert "without cuBLAS" not in stock
+    # no figure where the stock row does not say what its workspaces were
+    small = next(line for line in table.splitlines() if f"| {SMALL} | erase+step |" in line)
+    assert "without cuBLAS" not in small
+    # the verdict still judges the whole figure
+    memory = next(t for t in run.judge_targets(rows)
+                  if t["config"] == VISION and t["measure"] == "memory")
+    assert memory["ratio"] == pytest.approx(2.0)
+
+
 def test_markdown_reads_results_written_before_the_memory_columns():
     old = {"config": SMALL, "variant": "erase+graphs", "ms_median": 1.0, "ms_min": 1.0,
            "ms_max": 1.0, "peak_mem_bytes": 10 * MIB, "compile_s": 1.0,
