@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import statistics
 import sys
 import time
@@ -39,35 +38,17 @@ import torch
 from bench.harness import build_step
 from bench.models import build_config, parse_config
 
-#: (label, bench variant, erase options beside the variant's)
+#: (label, bench variant)
 ROWS = (
-    ("stock", "inductor+step", {}),
-    ("one stream, segments", "erase+step/one-stream", {}),
-    ("one stream, forward whole", "erase+step/streams=0", {}),
-    ("side streams, segments", "erase+step", {}),
+    ("stock", "inductor+step"),
+    ("one stream, segments", "erase+step/one-stream"),
+    ("one stream, forward whole", "erase+step/streams=0"),
+    ("side streams, segments", "erase+step"),
 )
 NO_RECOMPUTE_ROWS = (
-    ("one stream, segments, no recompute", "erase+step/one-stream",
-     {"recompute_boundary_values": False}),
-    ("side streams, segments, no recompute", "erase+step/no-recompute", {}),
+    ("one stream, segments, no recompute", "erase+step/one-stream/no-recompute"),
+    ("side streams, segments, no recompute", "erase+step/no-recompute"),
 )
-
-
-@contextlib.contextmanager
-def erase_options(**changes):
-    """Every erase variant of the bench built with these backend options too."""
-    from bench.harness import Variant
-
-    real = Variant.erase_options
-
-    def patched(self):
-        return {**real.fget(self), **changes}
-
-    Variant.erase_options = property(patched)
-    try:
-        yield
-    finally:
-        Variant.erase_options = real
 
 
 def time_steps(step, trials: int, steps: int) -> list[float]:
@@ -104,19 +85,16 @@ def kernel_families(trace_path: str, steps: int) -> dict[str, float]:
     return dict(sorted(families.items(), key=lambda kv: -kv[1]))
 
 
-def measure(cfg, label: str, variant: str, options: dict, args) -> dict:
+def measure(cfg, label: str, variant: str, args) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = build_config(cfg, torch.device("cuda"))
-    with contextlib.ExitStack() as stack:
-        if options:
-            stack.enter_context(erase_options(**options))
-        began = time.perf_counter()
-        built = build_step(variant, model, inputs)
-        for _ in range(5):
-            built.step()
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - began
+    began = time.perf_counter()
+    built = build_step(variant, model, inputs)
+    for _ in range(5):
+        built.step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - began
     times = time_steps(built.step, args.trials, args.steps)
     row = {"label": label, "median": statistics.median(times), "min": min(times),
            "max": max(times), "compile_s": compile_s}

@@ -1,26 +1,21 @@
-"""bench.segment_cost's pieces that run without a GPU: its rows, its options patch, the kernel
-families of a trace."""
+"""bench.segment_cost's pieces that run without a GPU: its rows and the kernel families of a
+trace."""
 import json
 
 from bench import segment_cost
 from bench.harness import Variant
 
 
-def test_the_rows_are_bench_variants_with_options():
+def test_the_rows_are_bench_variants():
     """Every row names a variant the bench parses (the forward whole: ``/streams=0``)."""
-    rows = dict((label, variant) for label, variant, _ in
-                segment_cost.ROWS + segment_cost.NO_RECOMPUTE_ROWS)
+    rows = dict(segment_cost.ROWS + segment_cost.NO_RECOMPUTE_ROWS)
     assert rows["one stream, forward whole"] == "erase+step/streams=0"
     for variant in rows.values():
         Variant.parse(variant)
-
-
-def test_erase_options_patch_adds_options_and_restores():
-    before = Variant.parse("erase+step/one-stream").erase_options
-    with segment_cost.erase_options(recompute_boundary_values=True):
-        inside = Variant.parse("erase+step/one-stream").erase_options
-    assert inside == {**before, "recompute_boundary_values": True}
-    assert Variant.parse("erase+step/one-stream").erase_options == before
+    # the no-recompute control of the one-stream row: that row's options and the pass off
+    assert Variant.parse(rows["one stream, segments, no recompute"]).erase_options == {
+        **Variant.parse(rows["one stream, segments"]).erase_options,
+        "recompute_boundary_values": False}
 
 
 def test_kernel_families_per_step(tmp_path):
