@@ -78,8 +78,18 @@ CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase"
             "step": ("inductor", "erase")}
 #: The captures of a whole training step by hand (`whole_step_graph`).
 HAND_CAPTURES = ("graph", "step-graph")
-CONTROLS = ("one-stream", "stages-on-main", "stages-on-side", "shared-input-values",
-            "recompute", "no-recompute", "all-parts", "aot_eager")  # and streams=N, release-lag=N
+#: Each named control -> the backend options it sets (and streams=N, release-lag=N).
+CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
+    "one-stream": {"overlap": False},
+    "stages-on-main": {"stages_on_side": False},
+    "stages-on-side": {"stages_on_side": True},
+    "shared-input-values": {"copy_input_values": False},
+    "recompute": {"recompute_boundary_values": True},
+    "no-recompute": {"recompute_boundary_values": False},
+    "all-parts": {"min_part_share": 0.0},
+    "aot_eager": {"inner": "aot_eager"},
+}
+CONTROLS = tuple(CONTROL_OPTIONS)
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -208,18 +218,8 @@ class Variant:
 
 def _control_options(control: str) -> dict[str, Any]:
     """The backend options one control sets (a valid control: `Variant.parse` checks)."""
-    fixed: dict[str, dict[str, Any]] = {
-        "one-stream": {"overlap": False},
-        "stages-on-main": {"stages_on_side": False},
-        "stages-on-side": {"stages_on_side": True},
-        "shared-input-values": {"copy_input_values": False},
-        "recompute": {"recompute_boundary_values": True},
-        "no-recompute": {"recompute_boundary_values": False},
-        "all-parts": {"min_part_share": 0.0},
-        "aot_eager": {"inner": "aot_eager"},
-    }
-    if control in fixed:
-        return fixed[control]
+    if control in CONTROL_OPTIONS:
+        return CONTROL_OPTIONS[control]
     key, value = control.split("=")
     return {key.replace("-", "_"): int(value)}
 
