@@ -67,6 +67,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -398,7 +399,7 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
             _mib(r.get("peak_mem_bytes")), _mib(r.get("step_peak_bytes")),
             _mib(r.get("kept_bytes")), _mib(r.get("mem_bytes")), _vs_stock(rows, r, "mem_bytes"),
             f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-", err_text,
-            (_notes(r) + _vs_stock_without_workspaces(rows, r)).lstrip(", ") or "-",
+            (_notes(r) + _without_workspaces_note(rows, r)).lstrip(", ") or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Targets (ratios of medians, and of step memory, in this run). Erase against "
@@ -414,39 +415,38 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _vs_stock(rows, r, key: str) -> str:
+def _vs_stock(rows, r, value: str | Callable[[dict], float | None]) -> str:
+    """``r``'s value (a row's key, or a function of a row) over each measured stock variant's
+    on its config: "0.90x inductor+step", "-" where there is none."""
     try:
         stock = Variant.parse(r["variant"]).stock()
     except ValueError:
         return "-"
-    parts = [f"{value:.2f}x {s}" for s in stock
-             if (value := ratio(rows, r["config"], r["variant"], s, key)) is not None]
+    of = value if callable(value) else (lambda row: row.get(value))
+    measured = _measured(rows)
+    mine, parts = of(r), []
+    for s in stock:
+        other = measured.get((r["config"], s))
+        theirs = None if other is None else of(other)
+        if mine is not None and theirs is not None and theirs > 0:
+            parts.append(f"{mine / theirs:.2f}x {s}")
     return "; ".join(parts) or "-"
 
 
-def _vs_stock_without_workspaces(rows, r) -> str:
-    """Step memory against each stock variant with both sides' cuBLAS workspaces taken out.
+def _memory_without_workspaces(row: dict) -> float | None:
+    """Step memory less the row's cuBLAS workspaces; None where the row does not give them.
 
     NB: a workspace (about 33 MiB on an H200) per stream that runs a matrix
     product is a constant that does not grow with the model: on small configs
     it can be most of what erase's side streams add. The targets judge the
-    whole figure; this says how much of a ratio is that constant.
+    whole figure; the notes say how much of a ratio is that constant.
     """
-    try:
-        stock = Variant.parse(r["variant"]).stock()
-    except ValueError:
-        return ""
-    measured = _measured(rows)
-    parts = []
-    for s in stock:
-        other = measured.get((r["config"], s))
-        if other is None or not r.get("workspace_bytes") or not other.get("workspace_bytes"):
-            continue
-        mine = r["mem_bytes"] - r["workspace_bytes"]
-        theirs = other["mem_bytes"] - other["workspace_bytes"]
-        if theirs > 0:
-            parts.append(f"{mine / theirs:.2f}x {s}")
-    return f", memory without cuBLAS workspaces {'; '.join(parts)}" if parts else ""
+    return row["mem_bytes"] - row["workspace_bytes"] if row.get("workspace_bytes") else None
+
+
+def _without_workspaces_note(rows, r) -> str:
+    ratios = _vs_stock(rows, r, _memory_without_workspaces)
+    return "" if ratios == "-" else f", memory without cuBLAS workspaces {ratios}"
 
 
 def _notes(r: dict) -> str:
