@@ -70,6 +70,20 @@
 #                                      2 with stages on main, at 1 (~7 min, not yet run)
 #   bash bench/device_run.sh streams-e the same on DGL ResNet-18, then MobileNetV3 DGL as the
 #                                      budget allows (~9 min, not yet run)
+#   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
+#                                      graph memory nodes: memory a side stream frees is reused by
+#                                      whatever the graph orders after it, on any stream) against
+#                                      the native one: a short race stress of erase's own graphs,
+#                                      then the step API's time and step memory (inductor+step,
+#                                      erase+step, streams=2) on gpt:16, ctr:16384 and mlp:512,
+#                                      under each allocator in its own process (~9 min)
+#   bash bench/device_run.sh async-b   after async-a (where torch's CUDA graphs aborted the process
+#                                      under cudaMallocAsync, stock included): erase_fx captures
+#                                      nothing there; the step API, erase's own graphs and stock
+#                                      run as written, with the reason (~1.5 min)
+#   bash bench/device_run.sh step-b    issue 12's rows in one run on the current code: the step API
+#                                      against the hand capture, with and without Adam in the
+#                                      step, stock and erase, on the three small chains (~7 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -137,7 +151,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e) ;;
+  streams-d|streams-e|async-a|async-b|step-b) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -243,6 +257,27 @@ case "$1" in
   streams-e)
     run streams-e tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64 "$FEWER" --sweep-configs '' \
       --trials 5 --budget-s 450 ;;
+  async-a)
+    export ASYNC=backend:cudaMallocAsync
+    PYTORCH_CUDA_ALLOC_CONF=$ASYNC timeout 100 python3 -m bench.check_cuda --parts stress \
+      --stress-steps 300 --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
+      2>&1 | tee "$OUT/check_cuda-stress-async.log" || true
+    for allocator in async native; do
+      # NB: async first: the native figures have earlier runs; the second process finds the
+      # compiled kernels in Inductor's cache
+      if [ $allocator = async ]; then export PYTORCH_CUDA_ALLOC_CONF=$ASYNC
+      else unset PYTORCH_CUDA_ALLOC_CONF; fi
+      timeout 250 python3 -m bench.run --budget-s 200 \
+        --out "$OUT/async-a-$allocator.json" --streams '' --sweep-configs '' --trials 5 \
+        --configs gpt:16:384:256:8,ctr:16384:1024:2048:6,mlp:512:1024:2048:6 \
+        --variants inductor+step,erase+step,erase+step/streams=2 || true
+    done ;;
+  async-b)
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync timeout 150 python3 -m bench.run \
+      --out "$OUT/async-b.json" --streams '' --sweep-configs '' --trials 2 --steps-per-trial 5 \
+      --configs mlp:512:1024:2048:6 --variants inductor+step,erase+step,erase+graphs ;;
+  step-b)
+    run step-b "$SMALL" "$STEP,$ADAM" --sweep-configs '' --trials 5 --budget-s 400 ;;
   onegraph-a)
     run onegraph-a gpt:8:768:1024:6,gpt:16:384:256:8 "$ONEGRAPH" --sweep-configs '' --trials 5 \
       --budget-s 480 ;;

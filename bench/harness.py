@@ -63,6 +63,7 @@ backend) and the rounding control ``eager/1ulp``.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
 import statistics
@@ -418,17 +419,39 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 DEFAULT_POOL = (0, 0)
+#: CUgraphMem_attribute: the physical memory the driver holds for graph allocations now.
+_GRAPH_MEM_RESERVED_CURRENT = 2
+
+
+def allocator_backend() -> str:
+    """The CUDA caching allocator's backend: ``"native"`` or ``"cudaMallocAsync"``.
+
+    Set for the process before CUDA starts, by
+    ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``. Under capture the
+    two place memory differently: the native allocator hands a block freed
+    on a stream to later allocations on that stream only, and a graph keeps
+    its private pool's segments whole; with ``cudaMallocAsync`` captured
+    allocations are graph memory nodes, and the driver gives an allocation
+    the physical memory of any allocation freed before it in the graph's
+    order, whatever the streams.
+    """
+    return torch.cuda.get_allocator_backend()
 
 
 def held_bytes() -> int:
     """Bytes the caching allocator holds for tensors and CUDA graphs now.
 
-    The live blocks of the default pool, plus every segment of a CUDA graph
-    pool whole: a captured graph keeps the blocks its temporaries used (free
-    to the allocator's statistics, but replays write them), and cudagraph
-    trees (``reduce-overhead``) hand out replay outputs as storages made from
-    data pointers, which ``memory_allocated`` does not count at all.
+    Native backend: the live blocks of the default pool, plus every segment
+    of a CUDA graph pool whole: a captured graph keeps the blocks its
+    temporaries used (free to the allocator's statistics, but replays write
+    them), and cudagraph trees (``reduce-overhead``) hand out replay outputs
+    as storages made from data pointers, which ``memory_allocated`` does not
+    count at all. ``cudaMallocAsync`` backend: the memory in use in the
+    driver's default pool, plus the physical memory the driver holds for
+    graph allocations (`graph_memory_bytes`).
     """
+    if allocator_backend() == "cudaMallocAsync":
+        return torch.cuda.memory_allocated() + graph_memory_bytes()
     held = 0
     for segment in torch.cuda.memory_snapshot():
         if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == DEFAULT_POOL:
@@ -436,6 +459,53 @@ def held_bytes() -> int:
         else:
             held += segment["total_size"]
     return held
+
+
+def _cuda_driver_device():
+    """The CUDA driver library and the current device's handle.
+
+    NB: torch reports no graph-memory figures, so these two calls go to the
+    driver itself (``cuDeviceGetGraphMemAttribute``, ``cuDeviceGraphMemTrim``:
+    CUDA 11.4+), through ctypes.
+    """
+    driver = ctypes.CDLL("libcuda.so.1")
+    device = ctypes.c_int()
+    _driver_check(driver.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()),
+                  "cuDeviceGet")
+    return driver, device
+
+
+def _driver_check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver error {status}")
+
+
+def graph_memory_bytes() -> int:
+    """Physical memory the driver holds for CUDA graph allocations on the current device.
+
+    Graph allocations are made only under the ``cudaMallocAsync`` backend
+    (0 under the native one); a graph keeps what its launches mapped until
+    it is destroyed and `trim_graph_memory` runs.
+    """
+    driver, device = _cuda_driver_device()
+    value = ctypes.c_uint64()
+    _driver_check(driver.cuDeviceGetGraphMemAttribute(device, _GRAPH_MEM_RESERVED_CURRENT,
+                                                      ctypes.byref(value)),
+                  "cuDeviceGetGraphMemAttribute")
+    return value.value
+
+
+def trim_graph_memory() -> None:
+    """Give back the graph memory no live graph holds (the ``cudaMallocAsync`` backend's)."""
+    if allocator_backend() == "cudaMallocAsync":
+        driver, device = _cuda_driver_device()
+        _driver_check(driver.cuDeviceGraphMemTrim(device), "cuDeviceGraphMemTrim")
+
+
+def device_used_bytes() -> int:
+    """Bytes in use on the current device by every client of it (``cudaMemGetInfo``)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def clear_cublas_workspaces() -> None:
@@ -470,7 +540,11 @@ class StepMemory:
     - ``state_bytes``: the model's own state, as subtracted;
     - ``mem_bytes``: ``kept_bytes + step_peak_bytes``, what a step needs
       beyond the model's own state at its worst moment: the figure the
-      memory targets judge.
+      memory targets judge;
+    - ``device_kept_bytes``: the same as ``kept_bytes`` seen by the device
+      (``cudaMemGetInfo``, cached free blocks given back first): every
+      allocator's and library's memory, a check on the allocator's figures
+      that reads the same whatever `allocator_backend` is.
 
     NB: a step that sets grads to None first frees them before its forward,
     so where grads outweigh activations the step peak is near 0 even
@@ -482,7 +556,9 @@ class StepMemory:
         torch.cuda.synchronize()
         clear_cublas_workspaces()
         torch.cuda.empty_cache()
+        trim_graph_memory()
         self.floor = held_bytes()
+        self.device_floor = device_used_bytes()
 
     def before_timing(self) -> None:
         torch.cuda.synchronize()
@@ -495,8 +571,11 @@ class StepMemory:
         state = state_bytes(model, optimizer)
         kept = held_bytes() - self.floor - state
         step_peak = peak - self.before
+        torch.cuda.empty_cache()
+        device_kept = device_used_bytes() - self.device_floor - state
         return {"peak_mem_bytes": peak, "step_peak_bytes": step_peak, "kept_bytes": kept,
-                "mem_bytes": kept + step_peak, "state_bytes": state}
+                "mem_bytes": kept + step_peak, "state_bytes": state,
+                "device_kept_bytes": device_kept}
 
     def workspaces(self) -> int:
         """Bytes of cuBLAS workspaces held now (call after the variant is dropped): part of kept."""

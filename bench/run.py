@@ -73,8 +73,8 @@ from pathlib import Path
 import torch
 
 import erase_fx
-from bench.harness import (WARMUP_STEPS, StepMemory, Variant, build_step, canonical, grads_of,
-                           judged_erase, max_rel_err, set_tf32, time_steps)
+from bench.harness import (WARMUP_STEPS, StepMemory, Variant, allocator_backend, build_step,
+                           canonical, grads_of, judged_erase, max_rel_err, set_tf32, time_steps)
 from bench.models import build_config, config_flops, is_random, parse_config, takes_paper_scheme
 from bench.vision import VISION_CONFIGS
 
@@ -366,7 +366,8 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
     lines = [
         f"# erase_fx GPU benchmark, {meta['date']}",
         "",
-        f"{meta['gpu']}, torch {meta['torch']}, tf32 on; one training step (forward, "
+        f"{meta['gpu']}, torch {meta['torch']}, CUDA allocator "
+        f"{meta.get('allocator', 'native')}, tf32 on; one training step (forward, "
         f"backward, and Adam's update in +adam rows); median, min and max of "
         f"{meta['trials']} trials of {meta['steps_per_trial']} steps (CUDA events). "
         f"Command: `{meta['command']}`.",
@@ -375,7 +376,8 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
         "what was allocated before them; kept = what the compiled program holds between steps "
         "(graph pools, static buffers) beyond the model's parameters, buffers, grads and "
         "optimizer state (cuBLAS workspaces of the streams it uses included, cleared before "
-        "each row; notes give their share); step memory = kept + step peak (judged). vs "
+        "each row; notes give their share); step memory = kept + step peak (judged); notes "
+        "give kept as the device sees it (`cudaMemGetInfo`: every allocator and library). vs "
         "stock: ratio to each stock variant the row is compared with.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -457,6 +459,8 @@ def _notes(r: dict) -> str:
         text += f", stock path: {str(r['erase_fallback'])[:120].replace('|', '/')}"
     if r.get("workspace_bytes"):
         text += f", kept has {_mib(r['workspace_bytes'])} MiB of cuBLAS workspaces"
+    if r.get("device_kept_bytes") is not None:
+        text += f", device kept {_mib(r['device_kept_bytes'])} MiB"
     if "captures" in r:
         text += f", captures {r.get('captures')}, replays {r.get('replays')}"
     if r.get("uncaptured_reason"):
@@ -537,8 +541,9 @@ def main(argv=None) -> int:
     words = sys.argv[1:] if argv is None else argv
     meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "trials": args.trials,
             "steps_per_trial": args.steps_per_trial, "tf32": True, "cudnn_benchmark": True,
+            "allocator": allocator_backend(),
             "command": " ".join(["python -m bench.run", *words])}
-    print(f"torch {meta['torch']} on {gpu}", flush=True)
+    print(f"torch {meta['torch']} on {gpu}, CUDA allocator {meta['allocator']}", flush=True)
     out = args.out or RESULTS / f"{date}-{_slug(gpu)}.json"
     start = time.perf_counter()
 
@@ -572,13 +577,19 @@ def write(out: Path, meta: dict, rows: list[dict], quiet: bool = False) -> None:
         print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
+def _machine(meta: dict) -> tuple:
+    """What two runs must share to be merged (files before 2026-12-02 ran the native allocator)."""
+    return meta["gpu"], meta["torch"], meta.get("allocator", "native")
+
+
 def merge(parts: list[Path], out: Path | None) -> int:
     """One results file from runs split across device calls (each call has a time limit)."""
     loaded = [json.loads(p.read_text()) for p in parts]
     first = loaded[0]["meta"]
     for other in loaded[1:]:
-        if (other["meta"]["gpu"], other["meta"]["torch"]) != (first["gpu"], first["torch"]):
-            print(f"cannot merge runs on different GPUs or torch versions: {parts}",
+        if _machine(other["meta"]) != _machine(first):
+            print(f"cannot merge runs on different GPUs, torch versions or CUDA allocators: "
+                  f"{parts}",
                   file=sys.stderr)
             return 2
     meta = dict(first, command=" ; ".join(part["meta"]["command"] for part in loaded))

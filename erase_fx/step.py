@@ -27,7 +27,8 @@ How one call runs (per *signature* of the arguments: tensor shapes, dtypes,
 devices and ``requires_grad``, the values of the other arguments, grad mode):
 
 ```
-no CUDA ─────────────────────────────────────────────► run as written, always
+no CUDA, or the cudaMallocAsync allocator ───────────► run as written, always (the allocator:
+      with its reason, or `StepCaptureError` with ``on_unsupported="raise"``)
 signature new, or its graph invalidated by a guard ──► WARM-UP (``warmup`` calls): run as written
       on a side stream; lazy init, compiles and optimizer state happen here; each is a real step
 warmed up ─► CAPTURE into a private memory pool (executes nothing), record the guards, replay
@@ -92,7 +93,10 @@ up while the hook was installed gets one more warm-up after it is gone, so
 that a recompile this may cause never happens under capture; the first
 uncaptured call after that (a fallback) may compile once more.
 
-Limits: one CUDA device per step (the current one); Python side effects of
+Limits: the native CUDA allocator only (under ``PYTORCH_CUDA_ALLOC_CONF=
+backend:cudaMallocAsync`` a tensor made during capture and freed before the
+first replay aborts the process, stock ``torch.compile`` too, so no step is
+captured there); one CUDA device per step (the current one); Python side effects of
 the step the guards do not see (logging, state kept in other objects,
 branches on Python values read elsewhere) run once, at capture; outputs
 that are not tensors are those of the capture; random
@@ -125,7 +129,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.emit.capture_scope import whole_step_scope
-from erase_fx.emit.cudagraphs import data_ptrs_equal
+from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
 log = logging.getLogger(__name__)
@@ -234,6 +238,9 @@ class CompiledStep:
             return self._run_uncaptured(NO_CUDA, args, kwargs, level=logging.INFO)
         if self._disabled is not None:
             return self._run_uncaptured(self._disabled, args, kwargs)
+        refusal = allocator_refusal()
+        if refusal is not None:
+            return self._unsupported(refusal, ASYNC_ALLOCATOR_FIX, args, kwargs, None)
         leaves, spec = _flatten(args, kwargs)
         key, why = _signature(leaves, spec)
         if why is not None:

@@ -244,8 +244,13 @@ def test_step_memory_subtracts_the_floor_and_the_model_state(monkeypatch):
         [dict(default, allocated_size=1000 + 80 + 500),
          {"segment_pool_id": (1, 0), "total_size": 3000, "allocated_size": 1000}],
     ])
+    # the device: 10000 bytes in use at the floor, 10000 + 80 + 4000 after (cached blocks freed)
+    device_free = iter([90000, 90000 - 80 - 4000])
     cuda = harness.torch.cuda
+    _native_allocator(monkeypatch)
     monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda: (next(device_free), 100000))
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(cuda, "memory_allocated", lambda: 1000 + 80 + 500 + 1000)
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 1000 + 80 + 500 + 1000 + 300)
@@ -255,7 +260,41 @@ def test_step_memory_subtracts_the_floor_and_the_model_state(monkeypatch):
     memory.before_timing()
     weighed = memory.finish(model, None)
     assert weighed == {"peak_mem_bytes": 2880, "step_peak_bytes": 300, "kept_bytes": 3500,
-                       "mem_bytes": 3800, "state_bytes": 80}
+                       "mem_bytes": 3800, "state_bytes": 80, "device_kept_bytes": 4000}
+
+
+def _native_allocator(monkeypatch):
+    monkeypatch.setattr(harness, "allocator_backend", lambda: "native")
+    monkeypatch.setattr(harness, "clear_cublas_workspaces", lambda: None)
+
+
+def test_held_bytes_under_cuda_malloc_async_adds_graph_memory(monkeypatch):
+    """cudaMallocAsync: no snapshot; the default pool's bytes in use plus the graph memory."""
+    cuda = harness.torch.cuda
+    monkeypatch.setattr(harness, "allocator_backend", lambda: "cudaMallocAsync")
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: 700)
+    monkeypatch.setattr(harness, "graph_memory_bytes", lambda: 5000)
+
+    def no_snapshot():
+        raise AssertionError("memory_snapshot is not meaningful under cudaMallocAsync")
+
+    monkeypatch.setattr(cuda, "memory_snapshot", no_snapshot)
+    assert harness.held_bytes() == 5700
+
+
+def test_held_bytes_native_counts_graph_pools_whole(monkeypatch):
+    _native_allocator(monkeypatch)
+    monkeypatch.setattr(harness.torch.cuda, "memory_snapshot", lambda: [
+        {"segment_pool_id": (0, 0), "total_size": 4096, "allocated_size": 100},
+        {"segment_pool_id": (3, 0), "total_size": 2048, "allocated_size": 10}])
+    assert harness.held_bytes() == 100 + 2048
+
+
+def test_graph_memory_is_trimmed_only_under_cuda_malloc_async(monkeypatch):
+    monkeypatch.setattr(harness, "allocator_backend", lambda: "native")
+    monkeypatch.setattr(harness, "_cuda_driver_device",
+                        lambda: (_ for _ in ()).throw(AssertionError("no driver call")))
+    harness.trim_graph_memory()  # native: nothing to trim, no driver call
 
 
 def test_workspaces_are_what_clearing_cublas_frees(monkeypatch):
@@ -263,6 +302,7 @@ def test_workspaces_are_what_clearing_cublas_frees(monkeypatch):
     snapshots = iter([[dict(default, allocated_size=5000)], [dict(default, allocated_size=1000)]])
     cleared = []
     cuda = harness.torch.cuda
+    monkeypatch.setattr(harness, "allocator_backend", lambda: "native")
     monkeypatch.setattr(cuda, "synchronize", lambda: None)
     monkeypatch.setattr(cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(cuda, "memory_snapshot", lambda: next(snapshots))

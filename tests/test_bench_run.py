@@ -170,6 +170,10 @@ def test_merge_joins_parts_of_one_gpu_and_refuses_two(tmp_path):
     assert out.with_suffix(".md").exists()
     second.write_text(json.dumps({"meta": dict(META, gpu="NVIDIA A100"), "rows": ROWS[4:]}))
     assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 2
+    # one run under cudaMallocAsync, one under the native allocator (META has none: native)
+    second.write_text(json.dumps({"meta": dict(META, allocator="cudaMallocAsync"),
+                                  "rows": ROWS[4:]}))
+    assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 2
 
 
 def test_main_rejects_unknown_configs_and_variants_before_touching_a_gpu(capsys):

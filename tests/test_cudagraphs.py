@@ -293,7 +293,7 @@ def test_a_backwards_gradients_still_held_block_its_replay(graphed):
     assert bw.unreplayed(saved + [torch.ones(())]) is None
 
 
-def test_which_forwards_are_replayed_from_a_graph(caplog):
+def test_which_forwards_are_replayed_from_a_graph(caplog, monkeypatch):
     """erase_fx.emit.cudagraphs.graph_forward: the policy, on fake CUDA tensors."""
     import logging
     import types
@@ -314,6 +314,8 @@ def test_which_forwards_are_replayed_from_a_graph(caplog):
         options = dict(cudagraphs=None, fw_metadata=metadata, name="g")
         return graph_forward(fn, inputs, **{**options, **kwargs})
 
+    backend = "native"
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)
     assert isinstance(graphed(on_gpu), GraphedForward)
     assert graphed(on_gpu).static_input_indices == [0]
     assert graphed([torch.empty(2)]) is None  # CPU
@@ -326,4 +328,12 @@ def test_which_forwards_are_replayed_from_a_graph(caplog):
     assert any("dynamic shapes" in m for m in reasons)
     assert any("no AOT forward metadata" in m for m in reasons)
     assert any("all-reduces in the forward" in m for m in reasons)
+    # the cudaMallocAsync allocator: never graphs, said at WARNING where graphs were asked for
+    backend = "cudaMallocAsync"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "erase_fx"):
+        assert graphed(on_gpu) is None
+        assert graphed(on_gpu, cudagraphs=True) is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.WARNING]
+    assert all("cudaMallocAsync" in r.getMessage() for r in caplog.records)
     del mode

@@ -147,6 +147,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: FakeGraph.capturing is not None)
     monkeypatch.setattr(step_module, "_on_cuda", lambda t: True)
@@ -394,6 +395,25 @@ def test_arguments_that_cannot_be_captured_run_uncaptured(fake_cuda):
     grad_step = compile_step(lambda x, y: model(x, y).backward(), warmup=1)
     grad_step(x.requires_grad_(), y)
     assert "requires grad" in grad_step.uncaptured_reason
+
+
+def test_the_cuda_malloc_async_allocator_runs_the_step_as_written(fake_cuda, monkeypatch, caplog):
+    """Under cudaMallocAsync a capture can abort the process: never captured, exact, said why."""
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    a, b = twins()
+    step = compile_step(plain_step(*a), warmup=1)
+    reference = plain_step(*b)
+    with caplog.at_level(logging.WARNING, logger="erase_fx.step"):
+        for got, want in run_both(step, reference, batches(4)):
+            assert torch.equal(got, want)
+    assert (step.warmups, step.captures, step.replays) == (0, 0, 0)
+    assert "cudaMallocAsync" in step.uncaptured_reason
+    assert "backend at native" in step.uncaptured_reason  # the fix
+    assert sum("cudaMallocAsync" in r.getMessage() for r in caplog.records) == 1
+    assert_same_training(a, b)
+    strict = compile_step(plain_step(*a), on_unsupported="raise")
+    with pytest.raises(StepCaptureError, match="cudaMallocAsync"):
+        strict(*batches(1)[0])
 
 
 # -- guards: what Python changed between calls ------------------------------------

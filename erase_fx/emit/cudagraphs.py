@@ -40,6 +40,9 @@ Rules that keep replay exact (each one has a test on the GPU in
   step, not of two graphs side by side). The backward's memory may then lie
   where the forward keeps its temporaries: the forward also does not replay
   while the backward's outputs (gradients) are in use.
+- **The native allocator only.** Under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``
+  nothing is captured (`allocator_refusal`): a tensor made during capture and
+  freed before the graph's first replay aborts the process there.
 - **First calls.** The first call runs without the graph (warm-up: lazy
   initialisation of libraries must not happen under capture); the second
   captures, then replays.
@@ -439,6 +442,26 @@ def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[in
 #: How many references a storage has (torch's cudagraph trees count the same way).
 _USE_COUNT = torch._C._storage_Use_Count
 
+#: Why erase_fx captures no CUDA graph under the ``cudaMallocAsync`` allocator backend.
+ASYNC_ALLOCATOR = (
+    "the CUDA allocator is cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync): "
+    "there a graph's memory exists only once it has been replayed, and a tensor made during "
+    "capture and freed before the first replay aborts the process (seen on an H200, torch "
+    "2.11, with stock torch.compile too)")
+#: What to do about `ASYNC_ALLOCATOR`.
+ASYNC_ALLOCATOR_FIX = "leave PYTORCH_CUDA_ALLOC_CONF's backend at native (the default)"
+
+
+def allocator_refusal() -> str | None:
+    """Why no CUDA graph may be captured with this process's CUDA allocator, or None.
+
+    Call only where CUDA is available (the allocator is chosen when CUDA
+    starts, from ``PYTORCH_CUDA_ALLOC_CONF``).
+    """
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        return ASYNC_ALLOCATOR
+    return None
+
 
 def _storage_uses(tensor: torch.Tensor) -> int:
     """How many tensors share this tensor's memory."""
@@ -456,22 +479,27 @@ def graph_forward(
 ) -> GraphedForward | None:
     """A `GraphedForward` around a compiled forward, or None where replay cannot or should not run.
 
-    Not on CPU, not with ``cudagraphs=False``, not with dynamic shapes (a graph
-    replays one set of shapes), not without AOTAutograd's forward metadata
-    (which outputs are the user's), not when the caller gives a ``refusal``
-    (e.g. a forward that all-reduces in the middle); each but the first two
-    logs its reason once at INFO.
+    Not on CPU, not with ``cudagraphs=False``, not under the ``cudaMallocAsync``
+    allocator (`allocator_refusal`), not with dynamic shapes (a graph replays
+    one set of shapes), not without AOTAutograd's forward metadata (which
+    outputs are the user's), not when the caller gives a ``refusal`` (e.g. a
+    forward that all-reduces in the middle); each but the first two logs its
+    reason once, at WARNING where ``cudagraphs=True`` asked for graphs, else
+    at INFO.
     """
     device = cuda_device_of(example_inputs)
     if device is None or cudagraphs is False:
         return None
+    if refusal is None:
+        refusal = allocator_refusal()
     if refusal is None and has_symbolic_shapes(example_inputs):
         refusal = "dynamic shapes"
     num_user_outputs = getattr(fw_metadata, "num_forward_returns", None)
     if refusal is None and num_user_outputs is None:
         refusal = "no AOT forward metadata"
     if refusal is not None:
-        log.info("erase_fx %s: no CUDA graphs: %s", name, refusal)
+        log.log(logging.WARNING if cudagraphs else logging.INFO,
+                "erase_fx %s: no CUDA graphs: %s", name, refusal)
         return None
     return GraphedForward(
         compiled,
