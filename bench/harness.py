@@ -502,12 +502,6 @@ def trim_graph_memory() -> None:
         _driver_check(driver.cuDeviceGraphMemTrim(device), "cuDeviceGraphMemTrim")
 
 
-def device_used_bytes() -> int:
-    """Bytes in use on the current device by every client of it (``cudaMemGetInfo``)."""
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
 def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-stream workspaces (torch keeps one set per stream for the process).
 
@@ -540,11 +534,7 @@ class StepMemory:
     - ``state_bytes``: the model's own state, as subtracted;
     - ``mem_bytes``: ``kept_bytes + step_peak_bytes``, what a step needs
       beyond the model's own state at its worst moment: the figure the
-      memory targets judge;
-    - ``device_kept_bytes``: the same as ``kept_bytes`` seen by the device
-      (``cudaMemGetInfo``, cached free blocks given back first): every
-      allocator's and library's memory, a check on the allocator's figures
-      that reads the same whatever `allocator_backend` is.
+      memory targets judge.
 
     NB: a step that sets grads to None first frees them before its forward,
     so where grads outweigh activations the step peak is near 0 even
@@ -558,7 +548,6 @@ class StepMemory:
         torch.cuda.empty_cache()
         trim_graph_memory()
         self.floor = held_bytes()
-        self.device_floor = device_used_bytes()
 
     def before_timing(self) -> None:
         torch.cuda.synchronize()
@@ -571,11 +560,8 @@ class StepMemory:
         state = state_bytes(model, optimizer)
         kept = held_bytes() - self.floor - state
         step_peak = peak - self.before
-        torch.cuda.empty_cache()
-        device_kept = device_used_bytes() - self.device_floor - state
         return {"peak_mem_bytes": peak, "step_peak_bytes": step_peak, "kept_bytes": kept,
-                "mem_bytes": kept + step_peak, "state_bytes": state,
-                "device_kept_bytes": device_kept}
+                "mem_bytes": kept + step_peak, "state_bytes": state}
 
     def workspaces(self) -> int:
         """Bytes of cuBLAS workspaces held now (call after the variant is dropped): part of kept."""

@@ -376,8 +376,7 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
         "what was allocated before them; kept = what the compiled program holds between steps "
         "(graph pools, static buffers) beyond the model's parameters, buffers, grads and "
         "optimizer state (cuBLAS workspaces of the streams it uses included, cleared before "
-        "each row; notes give their share); step memory = kept + step peak (judged); notes "
-        "give kept as the device sees it (`cudaMemGetInfo`: every allocator and library). vs "
+        "each row; notes give their share); step memory = kept + step peak (judged). vs "
         "stock: ratio to each stock variant the row is compared with.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -459,8 +458,6 @@ def _notes(r: dict) -> str:
         text += f", stock path: {str(r['erase_fallback'])[:120].replace('|', '/')}"
     if r.get("workspace_bytes"):
         text += f", kept has {_mib(r['workspace_bytes'])} MiB of cuBLAS workspaces"
-    if r.get("device_kept_bytes") is not None:
-        text += f", device kept {_mib(r['device_kept_bytes'])} MiB"
     if "captures" in r:
         text += f", captures {r.get('captures')}, replays {r.get('replays')}"
     if r.get("uncaptured_reason"):
