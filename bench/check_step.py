@@ -25,7 +25,13 @@ gradient accumulation over two micro-batches, one optimizer per model,
 6. a float lr changed between steps recaptures (and trains like eager); a
    tensor lr with capturable Adam, changed with ``fill_``, does not;
 7. step times (CUDA events) of a few variants, and the CPU cost of the
-   guards checked before each replay.
+   guards checked before each replay;
+8. ``early_optimizer=True`` (one micro-batch, so that the early blocks'
+   parameters qualify): compile_step over erase with ``aot_eager`` trains
+   exactly like eager, and over erase with Inductor exactly like the same
+   step without early updates, bit for bit over many steps (a race between
+   an update on a side stream and a reader elsewhere would show as a
+   difference), with parameters updated early.
 """
 from __future__ import annotations
 
@@ -168,12 +174,13 @@ def largest(a, b, n=3):
     return ", ".join(f"{name} {r:.1e}" for r, name in sorted(rel, reverse=True)[:n])
 
 
-def train(variant, kind, batches, device, captured, lr_change=None, sync=False, **step_options):
+def train(variant, kind, batches, device, captured, lr_change=None, sync=False, micro=2,
+          **step_options):
     """Fresh copies of the base models trained over ``batches``; (snapshot, step, models, opts)."""
     torch._dynamo.reset()
     models = [copy.deepcopy(m) for m in base_models(device)]
     opts = make_optimizers(models, kind, device)
-    fn = make_step(opts, wrap(models, variant), sync=sync)
+    fn = make_step(opts, wrap(models, variant), micro=micro, sync=sync)
     step = erase_fx.compile_step(fn, warmup=WARMUP, **step_options) if captured else fn
     for i, (x, y) in enumerate(batches):
         if lr_change is not None and i == lr_change[0]:
@@ -402,6 +409,36 @@ def time_step(step, batches, device, trials=5, per_trial=10):
     return statistics.median(times)
 
 
+def check_early_optimizer(report, device, steps):
+    batches = make_batches(steps, device, seed=7)
+    torch.backends.cudnn.enabled = False  # NB: as in check_exactness: eager's BatchNorm kernel
+    try:
+        for kind in ("sgd", "adam"):
+            want, *_ = train("eager", kind, batches, device, captured=False, micro=1)
+            got, step, *_ = train("erase-aot", kind, batches, device, captured=True, micro=1,
+                                  early_optimizer=True)
+            differ = exact(want, got)
+            report.check(f"early optimizer: compile_step(erase, aot_eager) vs eager, {kind}",
+                         not differ and captured_as_expected(step, steps)
+                         and step.early_updated > 0,
+                         f"{len(differ)} of {len(want)} tensors differ {differ[:3]}; "
+                         f"{step.early_updated} parameters updated early, not early: "
+                         f"{step.early_refused}; {counts(step)}")
+    finally:
+        torch.backends.cudnn.enabled = True
+    many = make_batches(steps * 10, device, seed=8)
+    want, late, *_ = train("erase-inductor", "adam", many, device, captured=True, micro=1)
+    got, step, *_ = train("erase-inductor", "adam", many, device, captured=True, micro=1,
+                          early_optimizer=True)
+    differ = exact(want, got)
+    report.check(f"early optimizer: compile_step(erase, inductor), {len(many)} steps, against "
+                 "the same without early updates",
+                 not differ and step.early_updated > 0 and late.early_updated == 0,
+                 f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
+                 f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
+                 f"not early: {step.early_refused}; {counts(step)}")
+
+
 def check_eager_timing(report, device, timings):
     batches = make_batches(4, device, seed=6)
     _, step, *_ = train("eager", "adam", batches, device, captured=False)
@@ -410,7 +447,7 @@ def check_eager_timing(report, device, timings):
     timings.append(("eager", True, time_step(step, batches, device)))
 
 
-CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing")
+CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing", "early-optimizer")
 
 
 def main(argv=None) -> int:
@@ -439,6 +476,7 @@ def main(argv=None) -> int:
         "lr": lambda: check_lr(report, device, args.steps),
         "inductor": lambda: check_inductor(report, device, args.steps, timings),
         "timing": lambda: check_eager_timing(report, device, timings),
+        "early-optimizer": lambda: check_early_optimizer(report, device, args.steps),
     }
     for name in chosen:
         check = runs[name]

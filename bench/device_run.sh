@@ -84,6 +84,10 @@
 #   bash bench/device_run.sh step-b    issue 12's rows in one run on the current code: the step API
 #                                      against the hand capture, with and without Adam in the
 #                                      step, stock and erase, on the three small chains (~7 min)
+#   bash bench/device_run.sh early-a   compile_step(early_optimizer=True): bench.check_step's exactness
+#                                      and race check of the early updates, then Adam in the step
+#                                      with and without them against stock, on the three small
+#                                      chains and DGL ResNet-18 (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -151,7 +155,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e|async-a|async-b|step-b) ;;
+  streams-d|streams-e|async-a|async-b|step-b|early-a) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -276,6 +280,12 @@ case "$1" in
     PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync timeout 150 python3 -m bench.run \
       --out "$OUT/async-b.json" --streams '' --sweep-configs '' --trials 2 --steps-per-trial 5 \
       --configs mlp:512:1024:2048:6 --variants inductor+step,erase+step,erase+graphs ;;
+  early-a)
+    timeout 200 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early.log" || true
+    timeout 340 python3 -m bench.run --budget-s 280 --out "$OUT/early-a.json" --streams '' \
+      --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
+      --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer ;;
   step-b)
     run step-b "$SMALL" "$STEP,$ADAM" --sweep-configs '' --trials 5 --budget-s 400 ;;
   onegraph-a)

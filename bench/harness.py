@@ -52,7 +52,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   sets its own options; two that set the same option are an error),
   ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
-  eager).
+  eager); for ``+step`` variants, ``/early-optimizer`` (``compile_step``'s
+  ``early_optimizer=True``: the early blocks' parameters updated on their side
+  streams during the forward; with ``+adam``, what that is worth).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -90,7 +92,11 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "all-parts": {"min_part_share": 0.0},
     "aot_eager": {"inner": "aot_eager"},
 }
-CONTROLS = tuple(CONTROL_OPTIONS)
+#: Each named control of ``+step`` variants -> the ``compile_step`` options it sets.
+STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
+    "early-optimizer": {"early_optimizer": True},
+}
+CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS)
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -165,6 +171,9 @@ class Variant:
                 if one not in CONTROLS and not re.fullmatch(numbered, one):
                     raise ValueError(f"variant {name!r}: control {one!r} is not one of "
                                      f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
+                if one in STEP_CONTROL_OPTIONS and capture != "step":
+                    raise ValueError(f"variant {name!r}: /{one} is an option of compile_step: "
+                                     "it applies to +step variants only")
                 for key in _control_options(one):
                     if key in changed:
                         raise ValueError(f"variant {name!r}: controls {changed[key]!r} and "
@@ -200,6 +209,14 @@ class Variant:
             options.update(_control_options(one))
         return options
 
+    @property
+    def step_options(self) -> dict[str, Any]:
+        """The ``compile_step`` options of a ``+step`` variant's controls (``/early-optimizer``)."""
+        options: dict[str, Any] = {}
+        for one in self.control.split("/") if self.control else ():
+            options.update(STEP_CONTROL_OPTIONS.get(one, {}))
+        return options
+
     def stock(self) -> tuple[str, ...]:
         """The stock variants this erase variant is compared with (speed and memory).
 
@@ -221,6 +238,8 @@ def _control_options(control: str) -> dict[str, Any]:
     """The backend options one control sets (a valid control: `Variant.parse` checks)."""
     if control in CONTROL_OPTIONS:
         return CONTROL_OPTIONS[control]
+    if control in STEP_CONTROL_OPTIONS:
+        return {}
     key, value = control.split("=")
     return {key.replace("-", "_"): int(value)}
 
@@ -342,8 +361,12 @@ class BuiltStep:
         """``compile_step``'s captures, replays and reason for not capturing, if +step."""
         if self.program is None:
             return {}
-        return {key: getattr(self.program, key, None)
+        info = {key: getattr(self.program, key, None)
                 for key in ("captures", "replays", "uncaptured_reason")}
+        if getattr(self.program, "early_optimizer", False):
+            info["early_updated"] = self.program.early_updated
+            info["early_refused"] = dict(self.program.early_refused)
+        return info
 
 
 def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.Tensor], *,
@@ -368,7 +391,8 @@ def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.
         compile_step = getattr(erase_fx, "compile_step", None)
         if compile_step is None:
             raise RuntimeError("this erase_fx has no compile_step (the +step variants need it)")
-        program = compile_step(one_step, warmup=STEP_WARMUP, max_captures=STEP_MAX_CAPTURES)
+        program = compile_step(one_step, warmup=STEP_WARMUP, max_captures=STEP_MAX_CAPTURES,
+                               **variant.step_options)
         program(*inputs)
         after_first()
         return BuiltStep(lambda: program(*inputs), optimizer, program)

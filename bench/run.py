@@ -460,6 +460,10 @@ def _notes(r: dict) -> str:
         text += f", kept has {_mib(r['workspace_bytes'])} MiB of cuBLAS workspaces"
     if "captures" in r:
         text += f", captures {r.get('captures')}, replays {r.get('replays')}"
+    if r.get("early_updated") is not None:
+        refused = "; ".join(f"{why} ({n})" for why, n in (r.get("early_refused") or {}).items())
+        text += (f", {r['early_updated']} parameters updated early"
+                 + (f" (not early: {refused[:160]})" if refused else ""))
     if r.get("uncaptured_reason"):
         text += f", not captured: {str(r['uncaptured_reason'])[:160]}"
     return text

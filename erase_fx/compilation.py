@@ -36,7 +36,14 @@ from typing import Any
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
+from erase_fx.ddp import (
+    EarlyAllReduce,
+    EarlyGrad,
+    NoEarlyBlocks,
+    early_allreduce_for,
+    plan_early_grads,
+)
+from erase_fx.early_update import EarlyUpdates, plan_early_updates
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedForward, graph_backward, graph_forward
 from erase_fx.emit.inductor_segments import (
@@ -89,6 +96,11 @@ class GraphCompilation:
         #: a whole graph kept from Dynamo's DDP optimizer: without early blocks, hand it back
         self.require_early_blocks = False
         self.early_allreduce: EarlyAllReduce | None = None
+        #: the early gradients an optimizer may update early (`erase_fx.early_update`):
+        #: planned from the partition, narrowed once the forward's passes have run
+        self.early_grads: tuple[EarlyGrad, ...] = ()
+        self.single_output = False
+        self.early_updates: EarlyUpdates | None = None
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -121,6 +133,8 @@ class GraphCompilation:
                          "gradient at .backward()", self.graph_id)
             else:
                 self._plan_early_allreduce(fw, bw, num_fwd_outputs)
+        if self.has_early_blocks and self.data_parallel is None and self.cfg.streams > 0:
+            self._plan_early_grads(fw, bw, num_fwd_outputs)
         return fw, bw
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -181,6 +195,8 @@ class GraphCompilation:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if self.early_allreduce is not None:
             compiled = self.early_allreduce.wrap_backward(compiled)
+        if self.early_updates is not None:
+            compiled = self.early_updates.wrap_backward(compiled)
         return compiled
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -230,10 +246,12 @@ class GraphCompilation:
 
     def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                           inductor_kwargs: dict[str, Any]) -> StreamProgram:
-        segmented = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
-                               after={"copy_input_values_per_block": self._note_input_copies,
-                                      "recompute_boundary_values": self._note_recomputes},
-                               )["split_segments"]
+        results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
+                             after={"copy_input_values_per_block": self._note_input_copies,
+                                    "recompute_boundary_values": self._note_recomputes})
+        segmented = results["split_segments"]
+        # NB: the forward as split_segments cut it: the readers the stream program runs
+        self._plan_early_updates(list(results.values())[-2].gm)
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
         else:
@@ -253,6 +271,8 @@ class GraphCompilation:
         program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag)
         if self.early_allreduce is not None:
             self.early_allreduce.attach(program)
+        if self.early_updates is not None:
+            self.early_updates.attach(program)
         return program
 
     def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
@@ -286,6 +306,38 @@ class GraphCompilation:
             log.warning("erase_fx graph %d: no early all-reduce (DDP reduces every gradient at "
                         ".backward()): %s: %s", self.graph_id, type(error).__name__, error)
             self.early_allreduce = None
+
+    def _plan_early_grads(self, fw: fx.GraphModule, bw: fx.GraphModule,
+                          num_fwd_outputs: int) -> None:
+        """The whole early gradients: those an optimizer step may update early
+        (`erase_fx.early_update`)."""
+        try:
+            self.early_grads = plan_early_grads(fw, bw, num_fwd_outputs)
+            tangents = sum(1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
+            self.single_output = tangents == 1
+        except Exception as error:  # noqa: BLE001 - the optimizer then updates them as usual
+            if self.cfg.on_error == "raise":
+                raise
+            log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
+                        type(error).__name__, error)
+            self.early_grads = ()
+
+    def _plan_early_updates(self, fw: fx.GraphModule) -> None:
+        """Of the early gradients, those whose parameter the final forward reads only before
+        them."""
+        if not self.early_grads:
+            return
+        try:
+            planned = plan_early_updates(fw, self.early_grads)
+        except Exception as error:  # noqa: BLE001 - the optimizer then updates them as usual
+            if self.cfg.on_error == "raise":
+                raise
+            log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
+                        type(error).__name__, error)
+            return
+        if planned:
+            self.early_updates = EarlyUpdates(self.graph_id, self.early_grads, planned,
+                                              self.cfg.seed, self.single_output)
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""

@@ -129,6 +129,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.emit.capture_scope import whole_step_scope
+from erase_fx.early_update import open_session
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
@@ -154,6 +155,7 @@ def compile_step(
     warmup: int = 2,
     max_captures: int = 8,
     on_unsupported: str = "fallback",
+    early_optimizer: bool = False,
 ) -> Any:
     """Run a whole training step as one CUDA graph; ``@compile_step`` or ``compile_step(fn, ...)``.
 
@@ -173,15 +175,24 @@ def compile_step(
             ``capturable=True``): ``"fallback"`` logs the reason and runs
             the step as written from then on; ``"raise"`` raises
             `erase_fx.errors.StepCaptureError`.
+        early_optimizer: in the captured graph, update the parameters of
+            erase's early blocks on their side streams as soon as their
+            gradients are made, overlapping the rest of the forward and the
+            backward, instead of after the backward (SGD, Adam, AdamW; the
+            same values, bit for bit). Each parameter's conditions are
+            checked (`erase_fx.early_update`); one that fails one is updated
+            as usual. It asks one thing of the step that cannot be checked:
+            between the model's forward and ``optimizer.step()`` nothing
+            outside the model reads those parameters.
 
     Without CUDA the step always runs as written. See `CompiledStep` and
     the module docstring for the state machine and the guards.
     """
     if fn is None:
         return functools.partial(compile_step, warmup=warmup, max_captures=max_captures,
-                                 on_unsupported=on_unsupported)
+                                 on_unsupported=on_unsupported, early_optimizer=early_optimizer)
     return CompiledStep(fn, warmup=warmup, max_captures=max_captures,
-                        on_unsupported=on_unsupported)
+                        on_unsupported=on_unsupported, early_optimizer=early_optimizer)
 
 
 class CompiledStep:
@@ -198,10 +209,14 @@ class CompiledStep:
         warmups: warm-up calls so far.
         uncaptured_reason: why the last call ran as written outside a warm-up
             (``None`` when it replayed or warmed up).
+        early_updated: with ``early_optimizer``, the parameters the last
+            capture updates early, on side streams.
+        early_refused: with ``early_optimizer``, why the last capture did not
+            update the other parameters of early blocks early, with how many.
     """
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 2, max_captures: int = 8,
-                 on_unsupported: str = "fallback"):
+                 on_unsupported: str = "fallback", early_optimizer: bool = False):
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise EraseOptionError("warmup", warmup,
                                    "an int >= 1 (lazy state must be created before capture)")
@@ -211,11 +226,17 @@ class CompiledStep:
             raise EraseOptionError("on_unsupported", on_unsupported,
                                    " or ".join(repr(v) for v in ON_UNSUPPORTED)
                                    + " (the default is 'fallback')")
+        if not isinstance(early_optimizer, bool):
+            raise EraseOptionError("early_optimizer", early_optimizer,
+                                   "True or False (the default is False)")
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.warmup = warmup
         self.max_captures = max_captures
         self.on_unsupported = on_unsupported
+        self.early_optimizer = early_optimizer
+        self.early_updated = 0
+        self.early_refused: dict[str, int] = {}
         self.captures = 0
         self.replays = 0
         self.warmups = 0
@@ -313,8 +334,9 @@ class CompiledStep:
             # NB: our own stream context outside the capture's: if capture_end raises,
             # torch.cuda.graph leaves its stream set; ours puts the caller's back.
             with self._recording(), whole_step_scope(), torch.cuda.stream(side):
-                with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=side,
-                                      capture_error_mode="thread_local"):
+                with self._early_updates() as session, torch.cuda.graph(
+                        graph, pool=torch.cuda.graph_pool_handle(), stream=side,
+                        capture_error_mode="thread_local"):
                     out = self.fn(*static_args, **static_kwargs)
         except Exception as error:  # noqa: BLE001 - every capture failure is reported below
             graph = None  # NB: dropped now: its destructor releases the generators' capture state
@@ -352,6 +374,7 @@ class CompiledStep:
         entry.outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
         entry.out_spec = out_spec
         entry.record = _Record(self._known, before)
+        self._note_early_updates(session)
         self.captures += 1
         log.info("erase_fx compile_step %s: captured (%d of at most %d)", self._name,
                  self.captures, self.max_captures)
@@ -408,6 +431,26 @@ class CompiledStep:
         if self._side is None:
             self._side = torch.cuda.Stream()
         return self._side
+
+    @contextmanager
+    def _early_updates(self) -> Iterator[Any]:
+        """With ``early_optimizer``, an `erase_fx.early_update.UpdateSession` around the capture."""
+        if not self.early_optimizer:
+            yield None
+            return
+        with open_session(self._known.live(self._known.optimizers),
+                          own_hooks=[self._known.on_optimizer_step]) as session:
+            yield session
+
+    def _note_early_updates(self, session: Any) -> None:
+        """What the capture's `UpdateSession` did (it keeps its counts once closed)."""
+        if session is None:
+            return
+        self.early_updated, self.early_refused = session.updated, dict(session.refused)
+        reasons = "; ".join(f"{why} ({n})" for why, n in self.early_refused.items())
+        level = logging.INFO if self.early_updated else logging.WARNING
+        log.log(level, "erase_fx compile_step %s: %d parameters updated early%s", self._name,
+                self.early_updated, f"; not early: {reasons}" if reasons else "")
 
     @contextmanager
     def _recording(self) -> Iterator[None]:

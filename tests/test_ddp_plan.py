@@ -114,6 +114,21 @@ def test_completion_hooks_run_right_after_each_block_and_may_write_its_results()
         torch.testing.assert_close(got, want * 2 if doubled else want)
 
 
+def test_several_callers_hook_one_program_each_with_its_context():
+    stages = Stages(Chain(3), chain_inputs(), CFG)
+    grads = plan_early_grads(stages.fw, stages.bw, stages.joint.num_fwd_outputs)
+    program = _program(stages, trace=False)
+    calls = []
+    last = tuple(g.result for g in grads if g.block == 1)
+    for name, context in (("first", "a"), ("off", None), ("second", "b")):
+        program.add_completion_hooks(
+            lambda inputs, context=context: context,
+            [(last, lambda c, values, streams, ops, name=name: calls.append((name, c)))])
+    values = real_values(stages.fw)
+    program([values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")])
+    assert calls == [("first", "a"), ("second", "b")]  # in order; "off" began with None
+
+
 def test_no_hook_runs_when_begin_returns_none():
     stages = Stages(Chain(3), chain_inputs(), CFG)
     program = _program(stages, trace=True)

@@ -32,7 +32,9 @@ Completion hooks (`StreamProgram.add_completion_hooks`) let a caller act on
 some results as soon as the steps that make them have been launched, in the
 middle of the forward: `erase_fx.ddp` all-reduces each early block's
 gradients there, on the communication stream (`StreamOps.run_comm`), while
-the rest of the forward runs.
+the rest of the forward runs; `erase_fx.early_update` records there when each
+block's gradients are made, for the optimizer update `compile_step` may run
+early. Each caller adds its own hooks; they run in the order they were added.
 """
 from __future__ import annotations
 
@@ -137,8 +139,8 @@ class StreamProgram(Boxed):
         self.capture_plan: CapturePlan = plan_captured_releases(
             [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
             {slot for kind, slot in results if kind == "slot"}, release_lag)
-        self.begin_hook: BeginHook | None = None
-        self.completion_hooks: dict[int, tuple[CompletionHook, ...]] = {}
+        #: per caller of `add_completion_hooks`: its begin hook and its hooks by step
+        self.hook_clients: tuple[tuple[BeginHook, dict[int, tuple[CompletionHook, ...]]], ...] = ()
 
     def add_completion_hooks(
         self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
@@ -148,7 +150,8 @@ class StreamProgram(Boxed):
         A hooked result must be a graph output; one the program does not make
         (an input, a constant) counts as ready from the start. The hooks only
         read the results (they may write them in place on their own stream):
-        slots and lifetimes stay as they are.
+        slots and lifetimes stay as they are. Each call adds a client with its
+        own ``begin`` and context; clients run in the order they were added.
         """
         producer = {slot: (k, step.stream) for k, step in enumerate(self.steps)
                     for slot in step.outputs if slot >= 0}
@@ -166,8 +169,7 @@ class StreamProgram(Boxed):
         by_step: dict[int, list[CompletionHook]] = {}
         for hook in placed:
             by_step.setdefault(hook.after, []).append(hook)
-        self.begin_hook = begin
-        self.completion_hooks = {k: tuple(v) for k, v in by_step.items()}
+        self.hook_clients += ((begin, {k: tuple(v) for k, v in by_step.items()}),)
         return tuple(placed)
 
     @classmethod
@@ -247,21 +249,22 @@ class StreamProgram(Boxed):
         env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
         for slot, value in self.constants:
             env[slot] = value
-        context = self.begin_hook(args) if self.begin_hook is not None else None
+        began = [(begin(args), hooks) for begin, hooks in self.hook_clients]
+        contexts = [(c, hooks) for c, hooks in began if c is not None] or None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
-        if context is not None:
-            self._complete(-1, env, context)
+        if contexts is not None:
+            self._complete(-1, env, contexts)
         # NB: the side streams start from the main stream's state: the inputs are ready
         self.streams.fork(self.side_streams)
         if not (self.side_streams and _capturing()):
-            self._run(env, context)
+            self._run(env, contexts)
         else:
-            self._run_captured(env, context)
+            self._run_captured(env, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
 
-    def _run(self, env: list[Any], context: Any = None) -> None:
+    def _run(self, env: list[Any], contexts: Any = None) -> None:
         """Each slot dropped after its last reader; ``record_stream`` guards cross-stream
         reuse."""
         events: dict[int, Any] = {}
@@ -269,17 +272,20 @@ class StreamProgram(Boxed):
             self._launch(k, step, env, events)
             for slot in step.frees:
                 env[slot] = None
-            if context is not None:
-                self._complete(k, env, context)
+            if contexts is not None:
+                self._complete(k, env, contexts)
 
-    def _complete(self, k: int, env: list[Any], context: Any) -> None:
-        """The completion hooks due after step ``k`` (-1: before the first)."""
-        for hook in self.completion_hooks.get(k, ()):
-            values = [env[self.results[i][1]] if self.results[i][0] == "slot"
-                      else self.results[i][1] for i in hook.results]
-            hook.fn(context, values, hook.streams, self.streams)
+    def _complete(self, k: int, env: list[Any],
+                  contexts: list[tuple[Any, dict[int, tuple[CompletionHook, ...]]]]) -> None:
+        """The completion hooks due after step ``k`` (-1: before the first), of each client
+        whose ``begin`` gave a context this call."""
+        for context, hooks in contexts:
+            for hook in hooks.get(k, ()):
+                values = [env[self.results[i][1]] if self.results[i][0] == "slot"
+                          else self.results[i][1] for i in hook.results]
+                hook.fn(context, values, hook.streams, self.streams)
 
-    def _run_captured(self, env: list[Any], context: Any = None) -> None:
+    def _run_captured(self, env: list[Any], contexts: Any = None) -> None:
         """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
 
         NB: a step output that lives in memory a value alive before the step
@@ -310,8 +316,8 @@ class StreamProgram(Boxed):
             for slot in plan.drops_after[k]:
                 if slot not in pinned:
                     env[slot] = None
-            if context is not None:
-                self._complete(k, env, context)
+            if contexts is not None:
+                self._complete(k, env, contexts)
 
     def _launch(self, k: int, step: Step, env: list[Any], events: dict[int, Any],
                 record: bool = False) -> None:

@@ -1,0 +1,594 @@
+"""An early block's optimizer update, on its side stream, inside `compile_step`'s capture.
+
+Why: with the optimizer in the step, its update runs after the backward, on
+the main stream, and nothing overlaps it. On the small chains Adam's update
+(``foreach``, ``capturable``) takes longer than the forward and backward
+together (mlp:128:2000:2000:4 on an H200: 1.4 of 1.9 ms), so erase's overlap
+of the early backward leaves the step at 0.94x of stock's. An early block's
+gradients are final the moment its early backward ends, in the middle of the
+forward; if nothing reads its parameters after that, their update can run
+then, on the block's side stream, while the rest of the forward and the
+backward run. ``compile_step(fn, early_optimizer=True)`` builds that into the
+graph it captures; replays then overlap the update with the forward.
+
+What decides it, and why each condition (a parameter failing one is updated
+with the others, by the optimizer's own step, after the backward):
+
+- compile time, per graph (`plan_early_updates`): the parameter's whole
+  gradient is computed early and handed out as the saved early gradient
+  itself (`erase_fx.ddp.plan_early_grads`), and every reader of the
+  parameter in the forward (through views) is something that gradient is
+  computed from: nothing in the forward or the backward reads it once its
+  block is done. A parameter saved for the backward, shared with a later
+  block, or returned is not updated early; nor is any parameter of a graph
+  with more than one differentiable output (see the backward below).
+- while `compile_step` captures the step (`UpdateSession`):
+
+  - each block's completion records an event on its side stream: the update
+    waits for it and for nothing else;
+  - the graph's backward runs once, from ``loss.backward()`` with no
+    gradient given on the graph's own output: the loss gradient ``T`` is
+    then exactly 1 and, with the default seed 1, the early gradients are
+    handed out as computed (``T / seed == 1``: the backward's in-place
+    scaling does nothing). A scaled loss, a loss computed outside the graph,
+    the graph run twice (gradient accumulation): no parameter of that graph
+    is updated early;
+  - autograd adopts the handed gradient as ``.grad`` with no other term,
+    and ``.grad`` was None before (``zero_grad(set_to_none=True)``):
+    checked on the parameter's AccumulateGrad node, as `erase_fx.ddp` does;
+  - at ``optimizer.step()``: the optimizer is SGD, Adam or AdamW (updates
+    per parameter: narrowing their parameter groups changes no bit of the
+    result), called without a closure, with no step hooks but
+    ``compile_step``'s; the gradient, the parameter and the groups' tensor
+    hyperparameters (a tensor ``lr``) are unchanged since (their version
+    counters): a clipped gradient or a changed lr, and the parameter waits.
+
+- Then, before the optimizer's own step runs, the eligible parameters are
+  updated, one call of the optimizer's own step function per side stream
+  with the parameter groups narrowed to them, on that stream, after its
+  blocks' events; the optimizer's step then updates the rest on the main
+  stream; after it the main stream waits for those side streams, so what
+  follows ``optimizer.step()`` in the step sees every new parameter.
+
+What ``early_optimizer=True`` asks of the step, because it cannot be checked:
+between the compiled forward and ``optimizer.step()`` the step reads no
+parameter of an early block outside the compiled model (reading one there,
+say a weight norm for logging, may see the new value). Writes are checked.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from erase_fx.ddp import EarlyGrad
+from erase_fx.passes import MAIN_STREAM
+from erase_fx.passes.graph import is_view, output_values
+
+log = logging.getLogger(__name__)
+
+#: Optimizers whose update of a parameter reads only that parameter's own
+#: state: narrowing their groups to some parameters updates those exactly as
+#: one call over all of them does.
+PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+# -- which parameters: the plan, per compiled graph ------------------------------
+
+
+def plan_early_updates(fw: fx.GraphModule, grads: Sequence[EarlyGrad]) -> tuple[EarlyGrad, ...]:
+    """The early gradients whose parameter nothing in ``fw`` reads once its block's are made.
+
+    ``grads``: the graph's whole early gradients (`erase_fx.ddp.plan_early_grads`).
+    A parameter qualifies when every node reading it, directly or through a
+    chain of views, is an ancestor of a node making one of its block's
+    gradients (the block's backward reads a weight for the gradient of its
+    input, which feeds other parameters' gradients): the stream program runs
+    every such reader before the block completes, and the block's completion
+    event orders the update after all of them. A reader that is not
+    (another block, a value saved for the backward or returned: the output
+    node reads those) keeps the parameter out.
+    """
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    outputs = output_values(fw.graph)
+    before: dict[Any, set[fx.Node]] = {}
+    for grad in grads:
+        made = outputs[grad.result]
+        if isinstance(made, fx.Node):
+            before.setdefault(block_key(grad), set()).update(_ancestors(made))
+    return tuple(grad for grad in grads
+                 if all(reader in before.get(block_key(grad), ())
+                        for reader in _readers(placeholders[grad.param])))
+
+
+def block_key(grad: EarlyGrad) -> Any:
+    """The group of early gradients whose completion one event marks: the block's."""
+    return grad.block if grad.block is not None else ("result", grad.result)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def _readers(node: fx.Node) -> set[fx.Node]:
+    """The nodes that read ``node``'s memory: its users, and the users of its views."""
+    found: set[fx.Node] = set()
+    bases, stack = {node}, list(node.users)
+    while stack:
+        user = stack.pop()
+        if user in found:
+            continue
+        found.add(user)
+        if is_view(user) and user.args and user.args[0] in bases:
+            bases.add(user)
+            stack.extend(user.users)
+    return found
+
+
+# -- one compiled graph at run time ------------------------------------------------
+
+
+class EarlyUpdates:
+    """The early updates of one compiled graph.
+
+    `attach` hooks the graph's `StreamProgram` (one completion hook per
+    block: the event its update waits for); `wrap_backward` wraps its compiled
+    backward (what it hands to autograd, and from which autograd node). Both
+    do nothing unless `compile_step` is capturing a step with
+    ``early_optimizer=True`` (`active_session`).
+
+    Attributes:
+        graph_id: the compiled graph's number (for messages).
+        grads: the whole early gradients (`erase_fx.ddp.plan_early_grads`):
+            a block completes when all of its are made.
+        planned: which of them may be updated early (`plan_early_updates`).
+        seed: the config's seed: updates need ``T / seed == 1`` with ``T == 1``.
+        single_output: the graph has one differentiable output, so a backward
+            from it with no gradient given makes every early block's ``T`` 1.
+    """
+
+    def __init__(self, graph_id: int, grads: Sequence[EarlyGrad], planned: Sequence[EarlyGrad],
+                 seed: float, single_output: bool):
+        self.graph_id = graph_id
+        self.grads = tuple(grads)
+        self.planned = tuple(g in set(planned) for g in self.grads)
+        self.seed = seed
+        self.single_output = single_output
+
+    def attach(self, program: Any) -> None:
+        by_block: dict[Any, list[int]] = {}
+        for i, grad in enumerate(self.grads):
+            by_block.setdefault(block_key(grad), []).append(i)
+        hooks = [(tuple(self.grads[i].result for i in members),
+                  functools.partial(self._block_done, tuple(members)))
+                 for members in by_block.values()]
+        program.add_completion_hooks(self._begin, hooks)
+
+    def _begin(self, inputs: Sequence[Any]) -> _Call | None:
+        session = active_session()
+        if session is None:
+            return None
+        params = [inputs[g.param] if planned else None
+                  for g, planned in zip(self.grads, self.planned)]
+        session.forward_began(self, params)
+        return _Call(session, params)
+
+    def _block_done(self, members: tuple[int, ...], call: _Call, values: list[Any],
+                    after: tuple[int, ...], streams: Any) -> None:
+        """A block completes: its planned parameters' updates may start after this event."""
+        call.session.block_done(self, [call.params[i] for i in members], values, after, streams)
+
+    def wrap_backward(self, compiled: Any) -> Any:
+        return _NotingBackward(compiled, self)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One forward of a graph under a session: the session and each planned gradient's parameter."""
+
+    session: UpdateSession
+    params: list[Any]
+
+
+class _NotingBackward:
+    """The compiled backward; tells the session what it handed to autograd, from which node."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any], owner: EarlyUpdates):
+        # NB: an instance attribute: wrappers copy the instance __dict__, and AOT reads it.
+        self._boxed_call = True
+        self.fn = fn
+        self.owner = owner
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        outputs = self.fn(args)
+        session = active_session()
+        if session is not None:
+            # NB: the autograd node running this backward: the graph's output's grad_fn
+            node = torch._C._current_autograd_node()
+            session.handed(self.owner, [outputs[g.param] for g in self.owner.grads], node)
+        return outputs
+
+
+# -- the session: one capture of one step --------------------------------------------
+
+
+@dataclasses.dataclass
+class _Param:
+    """What the session knows of one parameter whose gradient a block made early."""
+
+    param: torch.Tensor
+    owner: EarlyUpdates
+    streams: Any
+    stream: int
+    events: list[Any]
+    param_version: int
+    handed: torch.Tensor | None = None
+    node: Any = None
+    adopted_ptr: int | None = None
+    grad_version: int | None = None
+    problem: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardCall:
+    tensors: tuple[Any, ...]
+    gradient_given: bool
+    create_graph: bool
+    inputs_given: bool
+
+
+_session_lock = threading.Lock()
+_session: UpdateSession | None = None
+
+
+def active_session() -> UpdateSession | None:
+    """The session of the step being captured with ``early_optimizer=True``, if any.
+
+    NB: process-wide, as `erase_fx.emit.capture_scope`: the backward runs on
+    the autograd engine's threads.
+    """
+    return _session
+
+
+class UpdateSession:
+    """Early updates while one step is captured: what the graphs report, and the optimizer's step.
+
+    Open it with `open_session` around the capture. It records, through the
+    graphs' hooks, each block's completion and what each backward hands out;
+    through a wrapper of ``torch.autograd.backward``, the step's backward
+    calls; through global optimizer step hooks, each ``optimizer.step()``,
+    where it launches the early updates (`before_step`) and joins them
+    (`after_step`).
+
+    Attributes:
+        updated: parameters updated early in the captured step.
+        refused: why the other parameters of early blocks were not, with how many.
+    """
+
+    def __init__(self, optimizers: Sequence[Any] = (), own_hooks: Sequence[Any] = ()):
+        self.params: dict[int, _Param] = {}
+        self.backwards: list[_BackwardCall] = []
+        self.updated = 0
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.own_hooks = [*own_hooks, _session_before_step, _session_after_step]
+        #: the tensor hyperparameters' versions of the optimizers known at the start
+        self.hyperparameters = {id(o): _hyperparameter_versions(o) for o in optimizers}
+        self._forwards: dict[int, list[Any]] = {}
+        self._hooks: list[Any] = []
+        self._narrowed: list[tuple[dict[str, Any], list[Any]]] = []
+        self._joins: list[tuple[Any, int]] = []
+
+    # -- what the graphs report
+
+    def forward_began(self, owner: EarlyUpdates, params: list[Any]) -> None:
+        if id(owner) in self._forwards:
+            self._refuse_owner(owner, "its graph ran twice in the step (gradient accumulation)")
+        self._forwards[id(owner)] = params
+
+    def block_done(self, owner: EarlyUpdates, params: Sequence[Any], grads: Sequence[Any],
+                   after: tuple[int, ...], streams: Any) -> None:
+        """A block's early gradients are launched on ``after``: record the event to wait for."""
+        side = [s for s in after if s != MAIN_STREAM]
+        events = [streams.record_event(s) for s in after] if side else []
+        for param, grad in zip(params, grads):
+            if not isinstance(param, torch.Tensor) or not isinstance(grad, torch.Tensor):
+                continue
+            entry = self.params.get(id(param))
+            if entry is not None:
+                entry.problem = entry.problem or "its gradient is made twice in the step"
+                continue
+            entry = _Param(param, owner, streams, side[0] if side else MAIN_STREAM, events,
+                           param._version)
+            if not side:
+                entry.problem = "its block runs on the main stream (streams=0 or overlap=False)"
+            elif not owner.single_output:
+                entry.problem = ("its graph has more than one differentiable output: its loss "
+                                 "gradient cannot be proven 1")
+            elif owner.seed != 1.0:
+                entry.problem = f"the backend's seed is {owner.seed}, not 1: T / seed is not 1"
+            self.params[id(param)] = entry
+            if entry.problem is None:
+                self._watch(entry)
+
+    def handed(self, owner: EarlyUpdates, grads: Sequence[Any], node: Any) -> None:
+        """A backward of ``owner`` handed ``grads`` (the plan's order) to autograd, from autograd
+        node ``node``."""
+        for param, grad in zip(self._forwards.get(id(owner), ()), grads):
+            entry = self.params.get(id(param))
+            if entry is None or entry.owner is not owner:
+                continue
+            if entry.node is not None:
+                entry.problem = entry.problem or "its graph's backward ran twice in the step"
+            entry.node = node
+            entry.handed = grad if isinstance(grad, torch.Tensor) else None
+
+    def backward_called(self, tensors: Any, grad_tensors: Any, create_graph: bool,
+                        inputs: Any) -> None:
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        self.backwards.append(_BackwardCall(tuple(tensors), grad_tensors is not None,
+                                            bool(create_graph), inputs is not None))
+
+    def _refuse_owner(self, owner: EarlyUpdates, why: str) -> None:
+        for entry in self.params.values():
+            if entry.owner is owner:
+                entry.problem = entry.problem or why
+
+    def _watch(self, entry: _Param) -> None:
+        """Check, as autograd accumulates the parameter's gradient, that it adopts the handed one.
+
+        NB: a pre-hook on the parameter's AccumulateGrad node: autograd sums
+        several gradient terms into a new tensor (it cannot reuse a term's
+        memory while ``handed`` holds it), so the tensor is the handed one
+        exactly when there is no other term. The hook drops the session's
+        reference, so that AccumulateGrad may adopt it as ``.grad`` (it
+        copies a gradient someone else still holds).
+        """
+        node = torch.autograd.graph.get_gradient_edge(entry.param).node
+
+        def check(grad_outputs: Sequence[Any]) -> None:
+            handed, entry.handed = entry.handed, None
+            if handed is None or len(grad_outputs) != 1 or grad_outputs[0] is not handed:
+                entry.problem = entry.problem or (
+                    "its gradient has another term than the early one (the parameter is used "
+                    "outside its block too)")
+            elif entry.param.grad is not None:
+                entry.problem = entry.problem or (
+                    ".grad was not None before the backward (zero the gradients with "
+                    "set_to_none=True, the default)")
+            else:
+                entry.adopted_ptr = handed.data_ptr()
+                entry.grad_version = handed._version
+
+        self._hooks.append(node.register_prehook(check))
+
+    # -- the optimizer's step
+
+    def before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Launch the early updates of ``optimizer``'s eligible parameters; narrow its groups to
+        the rest for its own step."""
+        mine = [self.params[id(p)] for group in optimizer.param_groups for p in group["params"]
+                if id(p) in self.params]
+        if not mine:
+            return
+        problem = self._optimizer_problem(optimizer, args, kwargs)
+        early = []
+        for entry in mine:
+            why = problem or entry.problem or self._changed(entry)
+            if why is None:
+                early.append(entry)
+            else:
+                self.refused[why] += 1
+        if not early:
+            return
+        step = _step_function(optimizer)
+        groups = optimizer.param_groups
+        originals = [group["params"] for group in groups]
+        by_stream: dict[tuple[int, int], list[_Param]] = {}
+        for entry in early:
+            by_stream.setdefault((id(entry.streams), entry.stream), []).append(entry)
+        try:
+            for entries in by_stream.values():
+                chosen = {id(e.param) for e in entries}
+                for group, params in zip(groups, originals):
+                    group["params"] = [p for p in params if id(p) in chosen]
+                streams, stream = entries[0].streams, entries[0].stream
+                events = _unique([event for e in entries for event in e.events])
+                streams.run(stream, lambda _inputs: step(optimizer), [], events)
+                self._joins.append((streams, stream))
+        finally:
+            for group, params in zip(groups, originals):
+                group["params"] = params
+        done = {id(e.param) for e in early}
+        for group, params in zip(groups, originals):
+            self._narrowed.append((group, params))
+            group["params"] = [p for p in params if id(p) not in done]
+        self.updated += len(early)
+
+    def after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Give the optimizer its groups back; the main stream waits for the early updates."""
+        self._restore_groups()
+        for streams, stream in self._joins:
+            streams.join((stream,), [])
+        self._joins.clear()
+
+    def _optimizer_problem(self, optimizer: Any, args: tuple, kwargs: dict) -> str | None:
+        """Why none of ``optimizer``'s parameters may be updated early, or None."""
+        if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+            return (f"the optimizer is {type(optimizer).__name__}: only SGD, Adam and AdamW "
+                    "update parameters early")
+        # NB: torch hands step hooks the step's whole arguments, the optimizer first
+        if args[1:] or kwargs:
+            return "optimizer.step() was given a closure"
+        others = _other_step_hooks(optimizer, self.own_hooks)
+        if others:
+            return f"the optimizer has step hooks ({others}): they must see every update"
+        if any(group.get("differentiable", False) for group in optimizer.param_groups):
+            return "differentiable=True"
+        known = self.hyperparameters.get(id(optimizer))
+        if known is None:
+            return "an optimizer the warm-up steps did not step"
+        if known != _hyperparameter_versions(optimizer):
+            return "a tensor hyperparameter (lr) was changed in place during the step"
+        return None
+
+    def _changed(self, entry: _Param) -> str | None:
+        """Why this parameter, eligible so far, is not updated early, or None."""
+        if entry.node is None:
+            return "its graph's backward did not run"
+        calls = [call for call in self.backwards
+                 if any(isinstance(t, torch.Tensor) and t.grad_fn is entry.node
+                        for t in call.tensors)]
+        if len(calls) != 1 or len(calls[0].tensors) != 1 or calls[0].tensors[0].dim() != 0:
+            return ("the backward did not start at its graph's loss (a loss scaled or summed "
+                    "outside the compiled graph): the loss gradient is not proven 1")
+        call = calls[0]
+        if call.gradient_given or call.create_graph or call.inputs_given:
+            return ("the backward was given a gradient, create_graph or inputs: the loss "
+                    "gradient is not proven 1")
+        grad = entry.param.grad
+        if entry.adopted_ptr is None or grad is None or grad.data_ptr() != entry.adopted_ptr:
+            return "autograd did not adopt the early gradient as .grad"
+        if grad._version != entry.grad_version:
+            return "the gradient was changed in place before optimizer.step() (clipping?)"
+        if entry.param._version != entry.param_version:
+            return "the parameter was changed in place during the step"
+        return None
+
+    # -- closing
+
+    def _restore_groups(self) -> None:
+        for group, params in self._narrowed:
+            group["params"] = params
+        self._narrowed.clear()
+
+    def close(self) -> None:
+        self._restore_groups()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.params.clear()
+        self.backwards.clear()
+        self._forwards.clear()
+
+
+def _hyperparameter_versions(optimizer: Any) -> tuple[tuple[int, str, int], ...]:
+    return tuple((i, name, value._version) for i, group in enumerate(optimizer.param_groups)
+                 for name, value in sorted(group.items(), key=lambda item: item[0])
+                 if name != "params" and isinstance(value, torch.Tensor))
+
+
+def _unique(events: Sequence[Any]) -> list[Any]:
+    seen, unique = set(), []
+    for event in events:
+        if id(event) not in seen:
+            seen.add(id(event))
+            unique.append(event)
+    return unique
+
+
+def _step_function(optimizer: Any) -> Callable[[Any], Any]:
+    """The optimizer class's own ``step``, without torch's hook wrapper.
+
+    NB: torch wraps each optimizer class's ``step`` once
+    (``Optimizer._patch_step_function``: ``profile_hook_step``, marked
+    ``hooked``), with ``functools.wraps``; ``__wrapped__`` is the class's own
+    step, which the early updates call once per side stream so that step
+    hooks run once, around the optimizer's own call. Pinned in
+    ``tests/test_early_update.py`` for torch 2.11-2.14.
+    """
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+def _other_step_hooks(optimizer: Any, own: Sequence[Any]) -> str:
+    """Names of the optimizer's step hooks, global or its own, other than ``own``.
+
+    NB: torch keeps them in ``torch.optim.optimizer._global_optimizer_pre_hooks``
+    and ``_global_optimizer_post_hooks`` and in each optimizer's
+    ``_optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks`` (ordered
+    dicts of callables). Pinned in ``tests/test_early_update.py``.
+    """
+    import torch.optim.optimizer as optimizer_module
+
+    hooks = [*optimizer_module._global_optimizer_pre_hooks.values(),
+             *optimizer_module._global_optimizer_post_hooks.values(),
+             *optimizer._optimizer_step_pre_hooks.values(),
+             *optimizer._optimizer_step_post_hooks.values()]
+    return ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks
+                     if not any(h == o for o in own))
+
+
+def _session_before_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    session = active_session()
+    if session is not None:
+        session.before_step(optimizer, args, kwargs)
+
+
+def _session_after_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    session = active_session()
+    if session is not None:
+        session.after_step(optimizer, args, kwargs)
+
+
+@contextlib.contextmanager
+def open_session(optimizers: Sequence[Any] = (),
+                 own_hooks: Sequence[Any] = ()) -> Iterator[UpdateSession]:
+    """An `UpdateSession` for the duration of one capture (one at a time).
+
+    ``optimizers``: those the warm-up steps stepped (their tensor
+    hyperparameters' versions now are the reference); ``own_hooks``: the
+    caller's own optimizer step hooks, which do not count as the user's.
+    """
+    global _session
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    session = UpdateSession(optimizers, own_hooks)
+    with _session_lock:
+        if _session is not None:
+            raise RuntimeError("erase_fx: one early-update session at a time")
+        _session = session
+    original_backward = torch.autograd.backward
+
+    @functools.wraps(original_backward)
+    def recording_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                           grad_variables=None, inputs=None):
+        session.backward_called(tensors, grad_tensors if grad_tensors is not None
+                                else grad_variables, create_graph, inputs)
+        return original_backward(tensors, grad_tensors, retain_graph, create_graph,
+                                 grad_variables, inputs=inputs)
+
+    # NB: Tensor.backward calls torch.autograd.backward by its module attribute (torch
+    # 2.11-2.14; pinned in tests/test_early_update.py): the wrapper sees loss.backward().
+    torch.autograd.backward = recording_backward
+    pre = register_optimizer_step_pre_hook(_session_before_step)
+    post = register_optimizer_step_post_hook(_session_after_step)
+    try:
+        yield session
+    finally:
+        pre.remove()
+        post.remove()
+        torch.autograd.backward = original_backward
+        session.close()
+        with _session_lock:
+            _session = None
