@@ -1,4 +1,4 @@
-"""An early block's optimizer update, on its side stream, inside `compile_step`'s capture.
+"""An early block's optimizer update, during the forward, inside `compile_step`'s capture.
 
 Why: with the optimizer in the step, its update runs after the backward, on
 the main stream, and nothing overlaps it. On the small chains Adam's update
@@ -7,8 +7,8 @@ together (mlp:128:2000:2000:4 on an H200: 1.4 of 1.9 ms), so erase's overlap
 of the early backward leaves the step at 0.94x of stock's. An early block's
 gradients are final the moment its early backward ends, in the middle of the
 forward; if nothing reads its parameters after that, their update can run
-then, on the block's side stream, while the rest of the forward and the
-backward run. ``compile_step(fn, early_optimizer=True)`` builds that into the
+then, on an update stream, while the rest of the forward and the backward
+run. ``compile_step(fn, early_optimizer=True)`` builds that into the
 graph it captures; replays then overlap the update with the forward.
 
 What decides it, and why each condition (a parameter failing one is updated
@@ -17,9 +17,9 @@ with the others, by the optimizer's own step, after the backward):
 - compile time, per graph (`plan_early_updates`): the parameter's whole
   gradient is computed early and handed out as the saved early gradient
   itself (`erase_fx.ddp.plan_early_grads`), and every reader of the
-  parameter in the forward (through views) is something that gradient is
-  computed from: nothing in the forward or the backward reads it once its
-  block is done. A parameter saved for the backward, shared with a later
+  parameter in the forward (through views) is something one of its block's
+  gradients is computed from: nothing in the forward or the backward reads
+  it once its block is done. A parameter saved for the backward, shared with a later
   block, or returned is not updated early; nor is any parameter of a graph
   with more than one differentiable output (see the backward below).
 - while `compile_step` captures the step (`UpdateSession`):
@@ -44,11 +44,13 @@ with the others, by the optimizer's own step, after the backward):
     counters): a clipped gradient or a changed lr, and the parameter waits.
 
 - Then, before the optimizer's own step runs, the eligible parameters are
-  updated, one call of the optimizer's own step function per side stream
-  with the parameter groups narrowed to them, on that stream, after its
-  blocks' events; the optimizer's step then updates the rest on the main
-  stream; after it the main stream waits for those side streams, so what
-  follows ``optimizer.step()`` in the step sees every new parameter.
+  updated, one call of the optimizer's own step function per block, with
+  the parameter groups narrowed to the block's, on the device's update
+  stream, after the block's event (`StreamOps.run_update`: not on the
+  block's side stream, whose freed memory the main stream may still be
+  reading); the optimizer's step then updates the rest on the main stream;
+  after it the main stream waits for the update stream, so what follows
+  ``optimizer.step()`` in the step sees every new parameter.
 
 What ``early_optimizer=True`` asks of the step, because it cannot be checked:
 between the compiled forward and ``optimizer.step()`` the step reads no
@@ -237,6 +239,7 @@ class _Param:
     stream: int
     events: list[Any]
     param_version: int
+    order: int
     handed: torch.Tensor | None = None
     node: Any = None
     adopted_ptr: int | None = None
@@ -291,7 +294,7 @@ class UpdateSession:
         self._forwards: dict[int, list[Any]] = {}
         self._hooks: list[Any] = []
         self._narrowed: list[tuple[dict[str, Any], list[Any]]] = []
-        self._joins: list[tuple[Any, int]] = []
+        self._joins: list[Any] = []
 
     # -- what the graphs report
 
@@ -313,7 +316,7 @@ class UpdateSession:
                 entry.problem = entry.problem or "its gradient is made twice in the step"
                 continue
             entry = _Param(param, owner, streams, side[0] if side else MAIN_STREAM, events,
-                           param._version)
+                           param._version, len(self.params))
             if not side:
                 entry.problem = "its block runs on the main stream (streams=0 or overlap=False)"
             elif not owner.single_output:
@@ -399,18 +402,20 @@ class UpdateSession:
         step = _step_function(optimizer)
         groups = optimizer.param_groups
         originals = [group["params"] for group in groups]
-        by_stream: dict[tuple[int, int], list[_Param]] = {}
-        for entry in early:
-            by_stream.setdefault((id(entry.streams), entry.stream), []).append(entry)
+        # NB: one update per block, in the order the blocks completed: each waits for its
+        # own block's event only (one events list per block)
+        by_block: dict[int, list[_Param]] = {}
+        for entry in sorted(early, key=lambda e: e.order):
+            by_block.setdefault(id(entry.events), []).append(entry)
         try:
-            for entries in by_stream.values():
+            for entries in by_block.values():
                 chosen = {id(e.param) for e in entries}
                 for group, params in zip(groups, originals):
                     group["params"] = [p for p in params if id(p) in chosen]
-                streams, stream = entries[0].streams, entries[0].stream
-                events = _unique([event for e in entries for event in e.events])
-                streams.run(stream, lambda _inputs: step(optimizer), [], events)
-                self._joins.append((streams, stream))
+                streams = entries[0].streams
+                streams.run_update(entries[0].events, lambda: step(optimizer))
+                if all(s is not streams for s in self._joins):
+                    self._joins.append(streams)
         finally:
             for group, params in zip(groups, originals):
                 group["params"] = params
@@ -423,8 +428,8 @@ class UpdateSession:
     def after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """Give the optimizer its groups back; the main stream waits for the early updates."""
         self._restore_groups()
-        for streams, stream in self._joins:
-            streams.join((stream,), [])
+        for streams in self._joins:
+            streams.join_update()
         self._joins.clear()
 
     def _optimizer_problem(self, optimizer: Any, args: tuple, kwargs: dict) -> str | None:
@@ -508,8 +513,8 @@ def _step_function(optimizer: Any) -> Callable[[Any], Any]:
     NB: torch wraps each optimizer class's ``step`` once
     (``Optimizer._patch_step_function``: ``profile_hook_step``, marked
     ``hooked``), with ``functools.wraps``; ``__wrapped__`` is the class's own
-    step, which the early updates call once per side stream so that step
-    hooks run once, around the optimizer's own call. Pinned in
+    step, which the early updates call once per block so that step hooks run
+    once, around the optimizer's own call. Pinned in
     ``tests/test_early_update.py`` for torch 2.11-2.14.
     """
     step = type(optimizer).step

@@ -176,7 +176,7 @@ def compile_step(
             the step as written from then on; ``"raise"`` raises
             `erase_fx.errors.StepCaptureError`.
         early_optimizer: in the captured graph, update the parameters of
-            erase's early blocks on their side streams as soon as their
+            erase's early blocks on a stream of their own as soon as their
             gradients are made, overlapping the rest of the forward and the
             backward, instead of after the backward (SGD, Adam, AdamW; the
             same values, bit for bit). Each parameter's conditions are

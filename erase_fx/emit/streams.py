@@ -14,7 +14,10 @@ safe to use on the main stream. `StreamOps.run_comm(after, tensors, fn)`
 runs collective work (`erase_fx.ddp`'s early all-reduce) on a communication
 stream once the streams in ``after`` have done the work launched on them so
 far; `StreamOps.wait_comm()` makes the current stream wait for it (the
-backward does, before it reads what was reduced).
+backward does, before it reads what was reduced). `StreamOps.run_update(events,
+fn)` runs an early optimizer update (`erase_fx.early_update`) on the update
+stream once ``events`` fired; `StreamOps.join_update()` makes the current
+stream wait for the updates launched so far.
 """
 from __future__ import annotations
 
@@ -47,6 +50,10 @@ class StreamOps(Protocol):
                  fn: Callable[[], T]) -> T: ...
 
     def wait_comm(self) -> None: ...
+
+    def run_update(self, events: Sequence[Any], fn: Callable[[], T]) -> T: ...
+
+    def join_update(self) -> None: ...
 
 
 class VirtualStreams:
@@ -98,6 +105,16 @@ class VirtualStreams:
         if self.trace is not None:
             self.trace.append(("wait_comm",))
 
+    def run_update(self, events: Sequence[Any], fn: Callable[[], T]) -> T:
+        """In program order: the update runs now."""
+        if self.trace is not None:
+            self.trace.append(("update", tuple(events)))
+        return fn()
+
+    def join_update(self) -> None:
+        if self.trace is not None:
+            self.trace.append(("join_update",))
+
 
 class CudaStreams:
     """CUDA: side steps run on side streams forked from, and joined to, the current stream."""
@@ -106,6 +123,7 @@ class CudaStreams:
         self.device = device
         self.side = side_streams(device, num_side_streams)
         self._comm: torch.cuda.Stream | None = None
+        self._update: torch.cuda.Stream | None = None
 
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
@@ -196,6 +214,36 @@ class CudaStreams:
         if self._comm is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._comm)
 
+    def run_update(self, events: Sequence[torch.cuda.Event], fn: Callable[[], T]) -> T:
+        """``fn`` on the device's update stream once ``events`` fired.
+
+        NB: not on the block's side stream: under capture the caching
+        allocator hands a stream the memory freed on it, and a block's side
+        stream made values the main stream reads after the join and frees
+        while the backward runs; an update on that stream could be given
+        such memory while the main stream still reads it. The update stream
+        makes and frees only the updates' own temporaries. Only under
+        capture (`erase_fx.early_update`): what an update reads (parameters,
+        gradients, optimizer state) is not freed during the captured step.
+        """
+        stream = self.update
+        for event in events:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            return fn()
+
+    def join_update(self) -> None:
+        """The current stream waits for the updates launched so far."""
+        if self._update is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._update)
+
+    @property
+    def update(self) -> torch.cuda.Stream:
+        """The device's early-update stream (made on first use, shared by every graph)."""
+        if self._update is None:
+            self._update = update_stream(self.device)
+        return self._update
+
 
 _pool_lock = threading.Lock()
 _pool: dict[int, list[torch.cuda.Stream]] = {}
@@ -212,6 +260,16 @@ def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
 
 
 _comm_pool: dict[int, torch.cuda.Stream] = {}
+_update_pool: dict[int, torch.cuda.Stream] = {}
+
+
+def update_stream(device: torch.device) -> torch.cuda.Stream:
+    """The early-update stream of a device, shared by every compiled graph."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _pool_lock:
+        if index not in _update_pool:
+            _update_pool[index] = torch.cuda.Stream(device=index)
+        return _update_pool[index]
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
