@@ -87,7 +87,7 @@
 #   bash bench/device_run.sh early-a   compile_step(early_optimizer=True): bench.check_step's exactness
 #                                      and race check of the early updates, then Adam in the step
 #                                      with and without them against stock, on the three small
-#                                      chains and DGL ResNet-18 (~9 min)
+#                                      chains and DGL ResNet-18 (~7 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -281,9 +281,9 @@ case "$1" in
       --out "$OUT/async-b.json" --streams '' --sweep-configs '' --trials 2 --steps-per-trial 5 \
       --configs mlp:512:1024:2048:6 --variants inductor+step,erase+step,erase+graphs ;;
   early-a)
-    timeout 200 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
+    timeout 120 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early.log" || true
-    timeout 340 python3 -m bench.run --budget-s 280 --out "$OUT/early-a.json" --streams '' \
+    timeout 290 python3 -m bench.run --budget-s 230 --out "$OUT/early-a.json" --streams '' \
       --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer ;;
   step-b)
