@@ -236,7 +236,6 @@ class _Param:
     param: torch.Tensor
     owner: EarlyUpdates
     streams: Any
-    stream: int
     events: list[Any]
     param_version: int
     order: int
@@ -315,8 +314,7 @@ class UpdateSession:
             if entry is not None:
                 entry.problem = entry.problem or "its gradient is made twice in the step"
                 continue
-            entry = _Param(param, owner, streams, side[0] if side else MAIN_STREAM, events,
-                           param._version, len(self.params))
+            entry = _Param(param, owner, streams, events, param._version, len(self.params))
             if not side:
                 entry.problem = "its block runs on the main stream (streams=0 or overlap=False)"
             elif not owner.single_output:

@@ -107,6 +107,17 @@ def test_controls_chain_and_may_not_set_one_option_twice():
         Variant.parse("erase+step/streams=2/")
 
 
+def test_early_optimizer_is_a_control_of_step_variants_that_sets_a_compile_step_option():
+    variant = Variant.parse("erase+step+adam/early-optimizer")
+    assert variant.step_options == {"early_optimizer": True}
+    assert variant.erase_options == Variant.parse("erase+step+adam").erase_options
+    assert Variant.parse("erase+step/streams=2/early-optimizer").step_options == {
+        "early_optimizer": True}
+    assert Variant.parse("erase+step").step_options == {}
+    with pytest.raises(ValueError, match="applies to \\+step variants only"):
+        Variant.parse("erase+graphs/early-optimizer")
+
+
 def test_one_vocabulary_across_bench_and_its_tests():
     """No legacy name left in bench/ or the bench and paper tests; every list of names parses."""
     from bench import check_cuda, run

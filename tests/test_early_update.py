@@ -34,6 +34,7 @@ from erase_fx.early_update import (
 from erase_fx.errors import EraseOptionError
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 from graphs import Chain, Stages, chain_inputs
+from test_step import Chain as Detached  # three detached stages with local heads
 
 CFG = EraseConfig(inner="aot_eager", streams=2)
 
@@ -186,24 +187,7 @@ def test_a_step_in_two_narrowed_calls_equals_one_step_bitwise(cls, kwargs):
             assert torch.equal(value, split.state[q][key]), key
 
 
-# -- the whole step, with a stand-in for CUDA graphs (tests/test_step.py's) ------------
-
-
-class Detached(nn.Module):
-    """Three detached stages with local heads."""
-
-    def __init__(self, d=8):
-        super().__init__()
-        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(3))
-        self.heads = nn.ModuleList(nn.Linear(d, 1) for _ in range(3))
-
-    def forward(self, x, y):
-        loss = 0
-        for stage, head in zip(self.stages, self.heads):
-            x = stage(x)
-            loss = loss + F.mse_loss(head(x), y)
-            x = x.detach()
-        return loss
+# -- the whole step --------------------------------------------------------------------
 
 
 def _training(optimizer, seed=0, capturable=False):

@@ -263,19 +263,20 @@ _comm_pool: dict[int, torch.cuda.Stream] = {}
 _update_pool: dict[int, torch.cuda.Stream] = {}
 
 
-def update_stream(device: torch.device) -> torch.cuda.Stream:
-    """The early-update stream of a device, shared by every compiled graph."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _pool_lock:
-        if index not in _update_pool:
-            _update_pool[index] = torch.cuda.Stream(device=index)
-        return _update_pool[index]
-
-
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The communication stream of a device, shared by every compiled graph."""
+    return _one_per_device(_comm_pool, device)
+
+
+def update_stream(device: torch.device) -> torch.cuda.Stream:
+    """The early-update stream of a device, shared by every compiled graph."""
+    return _one_per_device(_update_pool, device)
+
+
+def _one_per_device(pool: dict[int, torch.cuda.Stream],
+                    device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _pool_lock:
-        if index not in _comm_pool:
-            _comm_pool[index] = torch.cuda.Stream(device=index)
-        return _comm_pool[index]
+        if index not in pool:
+            pool[index] = torch.cuda.Stream(device=index)
+        return pool[index]
