@@ -335,6 +335,11 @@ class GraphCompilation:
             log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
                         type(error).__name__, error)
             return
+        # NB: a graph with several differentiable outputs, or another seed, cannot prove T/s == 1
+        provable = self.single_output and self.cfg.seed == 1.0
+        self.report = dataclasses.replace(self.report,
+                                          early_updatable=len(planned) if provable else 0,
+                                          whole_early_grads=len(self.early_grads))
         if planned:
             self.early_updates = EarlyUpdates(self.graph_id, self.early_grads, planned,
                                               self.cfg.seed, self.single_output)

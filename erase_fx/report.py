@@ -115,6 +115,14 @@ class GraphReport:
             boundaries before that recomputation, summed over the segments
             that recompute something ...
         boundary_bytes_after: ... and after it.
+        early_updatable: how many parameters an optimizer inside
+            ``compile_step(..., early_optimizer=True)`` may update during the
+            forward: those whose whole gradient is early and that nothing reads
+            once their block is done (`erase_fx.early_update.plan_early_updates`;
+            the step's own conditions are checked at capture); set once the
+            forward is compiled.
+        whole_early_grads: how many parameters have a whole early gradient (the
+            candidates for the above).
     """
 
     graph_id: int
@@ -131,6 +139,8 @@ class GraphReport:
     recomputed_values: int = 0
     boundary_bytes_before: int = 0
     boundary_bytes_after: int = 0
+    early_updatable: int = 0
+    whole_early_grads: int = 0
 
     @property
     def early_share(self) -> float:
@@ -192,6 +202,7 @@ class GraphReport:
         return dataclasses.replace(self, blocks=(), early_flops=0, stages_on_side=False,
                                    input_copies=0, input_copy_bytes=0, recomputed_values=0,
                                    boundary_bytes_before=0, boundary_bytes_after=0,
+                                   early_updatable=0, whole_early_grads=0,
                                    fallback_reason=reason)
 
     def summary(self) -> str:

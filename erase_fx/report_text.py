@@ -123,6 +123,10 @@ def _heading(report: GraphReport, number: int) -> str:
            f"{report.boundary_bytes_before / 2**20:.2f} -> "
            f"{report.boundary_bytes_after / 2**20:.2f} MiB read (recompute_boundary_values)"
            if report.recomputed_values else "")
+        + (f"\n  an optimizer may update {report.early_updatable} of the "
+           f"{_count(report.whole_early_grads, 'parameter')} with a whole early gradient "
+           "during the forward (compile_step's early_optimizer)"
+           if report.whole_early_grads else "")
     )
 
 

@@ -96,6 +96,21 @@ def test_a_parameter_read_once_its_gradient_is_made_is_not_planned(model_cls, sh
     assert len(planned) == len(grads) - 1
 
 
+def test_explain_says_how_many_parameters_an_optimizer_may_update_early():
+    from erase_fx import explain
+    from erase_fx.report_text import format_report
+
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    (report,) = explain(Detached(), x, y)
+    assert (report.early_updatable, report.whole_early_grads) == (8, 8)
+    assert ("an optimizer may update 8 of the 8 parameters with a whole early gradient during "
+            "the forward") in format_report(report)
+    (seeded,) = explain(Detached(), x, y, erase_options={"seed": 2.0})
+    assert (seeded.early_updatable, seeded.whole_early_grads) == (0, 8)  # T/seed not provable
+    (later,) = explain(SharedLater(3), *chain_inputs())
+    assert later.whole_early_grads - later.early_updatable == 1
+
+
 # -- torch internals the session relies on (pinned for torch 2.11-2.14) -----------------
 
 
