@@ -36,13 +36,8 @@ from typing import Any
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import (
-    EarlyAllReduce,
-    EarlyGrad,
-    NoEarlyBlocks,
-    early_allreduce_for,
-    plan_early_grads,
-)
+from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
+from erase_fx.early_grads import EarlyGrad, plan_early_grads
 from erase_fx.early_update import EarlyUpdates, plan_early_updates
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedForward, graph_backward, graph_forward

@@ -16,7 +16,7 @@ with the others, by the optimizer's own step, after the backward):
 
 - compile time, per graph (`plan_early_updates`): the parameter's whole
   gradient is computed early and handed out as the saved early gradient
-  itself (`erase_fx.ddp.plan_early_grads`), and every reader of the
+  itself (`erase_fx.early_grads.plan_early_grads`), and every reader of the
   parameter in the forward (through views) is something one of its block's
   gradients is computed from: nothing in the forward or the backward reads
   it once its block is done. A parameter saved for the backward, shared with a later
@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.ddp import EarlyGrad
+from erase_fx.early_grads import EarlyGrad, block_key
 from erase_fx.passes import MAIN_STREAM
 from erase_fx.passes.graph import is_view, output_values
 
@@ -89,7 +89,7 @@ PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 def plan_early_updates(fw: fx.GraphModule, grads: Sequence[EarlyGrad]) -> tuple[EarlyGrad, ...]:
     """The early gradients whose parameter nothing in ``fw`` reads once its block's are made.
 
-    ``grads``: the graph's whole early gradients (`erase_fx.ddp.plan_early_grads`).
+    ``grads``: the graph's whole early gradients (`erase_fx.early_grads.plan_early_grads`).
     A parameter qualifies when every node reading it, directly or through a
     chain of views, is an ancestor of a node making one of its block's
     gradients (the block's backward reads a weight for the gradient of its
@@ -109,11 +109,6 @@ def plan_early_updates(fw: fx.GraphModule, grads: Sequence[EarlyGrad]) -> tuple[
     return tuple(grad for grad in grads
                  if all(reader in before.get(block_key(grad), ())
                         for reader in _readers(placeholders[grad.param])))
-
-
-def block_key(grad: EarlyGrad) -> Any:
-    """The group of early gradients whose completion one event marks: the block's."""
-    return grad.block if grad.block is not None else ("result", grad.result)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -156,7 +151,7 @@ class EarlyUpdates:
 
     Attributes:
         graph_id: the compiled graph's number (for messages).
-        grads: the whole early gradients (`erase_fx.ddp.plan_early_grads`):
+        grads: the whole early gradients (`erase_fx.early_grads.plan_early_grads`):
             a block completes when all of its are made.
         planned: which of them may be updated early (`plan_early_updates`).
         seed: the config's seed: updates need ``T / seed == 1`` with ``T == 1``.

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import _owns_its_memory, plan_early_grads
+from erase_fx.early_grads import _owns_its_memory, plan_early_grads
 from erase_fx.emit import StreamProgram, VirtualStreams, compile_segment
 from erase_fx.emit.inner import example_inputs_of
 from erase_fx.errors import EraseOptionError

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from erase_fx import compile_step
 from erase_fx import step as step_module
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import plan_early_grads
+from erase_fx.early_grads import plan_early_grads
 from erase_fx.early_update import (
     PER_PARAMETER_OPTIMIZERS,
     _other_step_hooks,

@@ -22,7 +22,7 @@ from erase_fx import step as step_module
 from erase_fx.emit import cudagraphs
 from erase_fx.emit.capture_scope import in_whole_step_scope, whole_step_scope
 from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
-from fake_cuda import SYNC_ERROR, FakeGraph, fake_cuda  # noqa: F401 - fake_cuda: a fixture
+from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 
 aten = torch.ops.aten
 
