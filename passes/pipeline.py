@@ -128,8 +128,8 @@ def run_passes(
 
 def run_pass(entry: Pass, gm: fx.GraphModule, cfg: EraseConfig, *,
              results: Mapping[str, PassResult] | None = None, **given: Any) -> PassResult:
-    """One pass, checked, outside a pipeline (tests, `erase_fx.early_grads`'s plan); ``results``: the
-    earlier passes' results it reads, by name."""
+    """One pass, checked, outside a pipeline (tests, `erase_fx.early_grads`'s plan);
+    ``results``: the earlier passes' results it reads, by name."""
     return _run_checked(entry, gm, PassContext(cfg, dict(results or {}), given))
 
 
