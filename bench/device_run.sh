@@ -88,6 +88,9 @@
 #                                      and race check of the early updates, then Adam in the step
 #                                      with and without them against stock, on the three small
 #                                      chains and DGL ResNet-18 (~7 min)
+#   bash bench/device_run.sh early-b   after early-a passes: Adam in the step with and without early
+#                                      updates against stock where activations dominate (gpt:16,
+#                                      ctr:16384: never slower) (~6 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -155,7 +158,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e|async-a|async-b|step-b|early-a) ;;
+  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -286,6 +289,10 @@ case "$1" in
     timeout 290 python3 -m bench.run --budget-s 230 --out "$OUT/early-a.json" --streams '' \
       --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer ;;
+  early-b)
+    run early-b gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer \
+      --sweep-configs '' --trials 5 --budget-s 300 ;;
   step-b)
     run step-b "$SMALL" "$STEP,$ADAM" --sweep-configs '' --trials 5 --budget-s 400 ;;
   onegraph-a)
