@@ -36,6 +36,8 @@ with the others, by the optimizer's own step, after the backward):
   - autograd adopts the handed gradient as ``.grad`` with no other term,
     and ``.grad`` was None before (``zero_grad(set_to_none=True)``):
     checked on the parameter's AccumulateGrad node, as `erase_fx.ddp` does;
+  - no later compiled graph of the step (a graph break) takes the parameter
+    as an input;
   - at ``optimizer.step()``: the optimizer is SGD, Adam or AdamW (updates
     per parameter: narrowing their parameter groups changes no bit of the
     result), called without a closure, with no step hooks but
@@ -53,9 +55,11 @@ with the others, by the optimizer's own step, after the backward):
   ``optimizer.step()`` in the step sees every new parameter.
 
 What ``early_optimizer=True`` asks of the step, because it cannot be checked:
-between the compiled forward and ``optimizer.step()`` the step reads no
-parameter of an early block outside the compiled model (reading one there,
-say a weight norm for logging, may see the new value). Writes are checked.
+between a block's forward and ``optimizer.step()``, nothing outside the
+compiled graphs reads that block's parameters: not the step's own code, not
+eager code between two graphs of the model (reading one there, say a weight
+norm for logging, may see the new value). Another compiled graph of the step
+that reads one is seen (its forward's inputs), and writes are checked.
 """
 from __future__ import annotations
 
@@ -182,7 +186,7 @@ class EarlyUpdates:
             return None
         params = [inputs[g.param] if planned else None
                   for g, planned in zip(self.grads, self.planned)]
-        session.forward_began(self, params)
+        session.forward_began(self, params, inputs)
         return _Call(session, params)
 
     def _block_done(self, members: tuple[int, ...], call: _Call, values: list[Any],
@@ -292,10 +296,20 @@ class UpdateSession:
 
     # -- what the graphs report
 
-    def forward_began(self, owner: EarlyUpdates, params: list[Any]) -> None:
+    def forward_began(self, owner: EarlyUpdates, params: list[Any],
+                      inputs: Sequence[Any]) -> None:
+        """A forward of ``owner`` starts with ``inputs``; ``params``: its planned parameters."""
         if id(owner) in self._forwards:
             self._refuse_owner(owner, "its graph ran twice in the step (gradient accumulation)")
         self._forwards[id(owner)] = params
+        # NB: another graph reading a parameter a block already made the gradient of (tied
+        # weights across a graph break) may run while its update does: not early, then
+        by_memory = {_memory(e.param): e for e in self.params.values() if e.owner is not owner}
+        for value in inputs:
+            if isinstance(value, torch.Tensor) and _memory(value) in by_memory:
+                entry = by_memory[_memory(value)]
+                entry.problem = entry.problem or ("another compiled graph of the step reads it "
+                                                  "after its block")
 
     def block_done(self, owner: EarlyUpdates, params: Sequence[Any], grads: Sequence[Any],
                    after: tuple[int, ...], streams: Any) -> None:
@@ -483,6 +497,11 @@ class UpdateSession:
         self.params.clear()
         self.backwards.clear()
         self._forwards.clear()
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory starts: the same for a parameter and any view of it."""
+    return tensor.untyped_storage().data_ptr()
 
 
 def _hyperparameter_versions(optimizer: Any) -> tuple[tuple[int, str, int], ...]:

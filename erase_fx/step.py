@@ -183,7 +183,7 @@ def compile_step(
             checked (`erase_fx.early_update`); one that fails one is updated
             as usual. It asks one thing of the step that cannot be checked:
             between the model's forward and ``optimizer.step()`` nothing
-            outside the model reads those parameters.
+            outside the compiled graphs reads those parameters.
 
     Without CUDA the step always runs as written. See `CompiledStep` and
     the module docstring for the state machine and the guards.

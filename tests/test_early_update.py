@@ -286,6 +286,37 @@ def test_what_would_change_the_update_keeps_every_parameter_late(variant, why):
     assert all(any(why in reason for reason in r) for r in refused[1:]), refused
 
 
+class Reader(nn.Module):
+    """Detached stages whose first stage also reads another model's head weight, detached."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.chain = Detached()
+        self.other = [other]  # NB: a list: not a submodule, its parameters are not ours
+
+    def forward(self, x, y):
+        shared = self.other[0].heads[0].weight.detach()
+        return self.chain(x + (x @ shared.t()).mean(), y)
+
+
+def test_a_parameter_another_graph_reads_later_in_the_step_is_not_updated_early():
+    torch.manual_seed(0)
+    first = Detached()
+    second = Reader(first)
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.05)
+    options = {"inner": "aot_eager", "on_error": "raise"}
+    compiled = [torch.compile(m, backend="erase", options=options) for m in (first, second)]
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    for _ in range(2):
+        with open_session([opt]) as session:
+            opt.zero_grad(set_to_none=True)
+            for fn in compiled:
+                fn(x, y).backward()
+            opt.step()
+    assert session.updated == 15  # 8 of each chain, but the shared weight
+    assert session.refused == {"another compiled graph of the step reads it after its block": 1}
+
+
 def test_compile_step_opens_a_session_around_the_capture_only(fake_cuda, monkeypatch, caplog):
     opened = []
 
