@@ -36,8 +36,8 @@ with the others, by the optimizer's own step, after the backward):
   - autograd adopts the handed gradient as ``.grad`` with no other term,
     and ``.grad`` was None before (``zero_grad(set_to_none=True)``):
     checked on the parameter's AccumulateGrad node, as `erase_fx.ddp` does;
-  - no later compiled graph of the step (a graph break) takes the parameter
-    as an input;
+  - no later compiled graph of the step with early blocks of its own (after
+    a graph break) takes the parameter as an input;
   - at ``optimizer.step()``: the optimizer is SGD, Adam or AdamW (updates
     per parameter: narrowing their parameter groups changes no bit of the
     result), called without a closure, with no step hooks but
@@ -58,8 +58,9 @@ What ``early_optimizer=True`` asks of the step, because it cannot be checked:
 between a block's forward and ``optimizer.step()``, nothing outside the
 compiled graphs reads that block's parameters: not the step's own code, not
 eager code between two graphs of the model (reading one there, say a weight
-norm for logging, may see the new value). Another compiled graph of the step
-that reads one is seen (its forward's inputs), and writes are checked.
+norm for logging, may see the new value). A later compiled graph of the step
+that has early blocks of its own and takes one as an input is seen; one with
+none is not. Writes are checked.
 """
 from __future__ import annotations
 
