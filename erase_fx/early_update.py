@@ -243,6 +243,7 @@ class _Param:
     node: Any = None
     adopted_ptr: int | None = None
     grad_version: int | None = None
+    handed_stride: tuple[int, ...] | None = None
     problem: str | None = None
 
 
@@ -385,6 +386,7 @@ class UpdateSession:
             else:
                 entry.adopted_ptr = handed.data_ptr()
                 entry.grad_version = handed._version
+                entry.handed_stride = tuple(handed.stride())
 
         self._hooks.append(node.register_prehook(check))
 
@@ -475,8 +477,16 @@ class UpdateSession:
             return ("the backward was given a gradient, create_graph or inputs: the loss "
                     "gradient is not proven 1")
         grad = entry.param.grad
-        if entry.adopted_ptr is None or grad is None or grad.data_ptr() != entry.adopted_ptr:
-            return "autograd did not adopt the early gradient as .grad"
+        if entry.adopted_ptr is None:
+            return "autograd did not accumulate the early gradient into .grad"
+        if grad is None or grad.data_ptr() != entry.adopted_ptr:
+            if entry.handed_stride != entry.param.stride():
+                log.info("erase_fx: a parameter of shape %s and strides %s got a copy of its "
+                         "early gradient (strides %s) as .grad", tuple(entry.param.shape),
+                         tuple(entry.param.stride()), entry.handed_stride)
+                return ("autograd copied the early gradient into .grad: its layout is not the "
+                        "parameter's")
+            return "autograd copied the early gradient into .grad (same layout)"
         if grad._version != entry.grad_version:
             return "the gradient was changed in place before optimizer.step() (clipping?)"
         if entry.param._version != entry.param_version:

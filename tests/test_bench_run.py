@@ -113,9 +113,9 @@ def test_markdown_has_a_row_per_measurement_the_memory_columns_and_the_verdicts(
     assert "| 0.75x inductor+step |" in step and "| 0.50x inductor+step |" in step
     assert "captures 1, replays 160 |" in step
     early = run._notes({"captures": 1, "replays": 9, "early_updated": 27,
-                        "early_refused": {"autograd did not adopt the early gradient": 15}})
-    assert early.endswith("27 parameters updated early (not early: autograd did not adopt the "
-                          "early gradient (15))")
+                        "early_refused": {"autograd copied the early gradient": 15}})
+    assert early.endswith("27 parameters updated early (not early: autograd copied the early "
+                          "gradient (15))")
     vision = next(line for line in table.splitlines() if f"| {VISION} | erase+graphs |" in line)
     assert "1.0e-03 (random)" in vision and "| - |" in vision
     assert f"| {VISION} | erase+step | - |" in table and "failed: RuntimeError: boom" in table

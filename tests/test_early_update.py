@@ -317,6 +317,36 @@ def test_a_parameter_another_graph_reads_later_in_the_step_is_not_updated_early(
     assert session.refused == {"another compiled graph of the step reads it after its block": 1}
 
 
+def test_a_gradient_autograd_copied_is_refused_with_its_layout(caplog):
+    """AccumulateGrad copies a gradient it cannot adopt (another layout than the parameter's,
+    or another reference to it): the copy is made in the backward, so the parameter waits,
+    and the reason says whether the layouts differ."""
+    from erase_fx.early_update import UpdateSession, _BackwardCall, _Param
+
+    param = nn.Parameter(torch.randn(4, 3))
+    loss = (param * 2).sum()
+    session = UpdateSession()
+    session.backwards.append(_BackwardCall((loss,), False, False, False))
+    entry = _Param(param, owner=None, streams=None, events=[], param_version=param._version,
+                   order=0, node=loss.grad_fn)
+    assert session._changed(entry) == ("autograd did not accumulate the early gradient into "
+                                       ".grad")
+    handed = torch.randn(3, 4).t()  # strides (1, 4); the parameter's are (3, 1)
+    entry.adopted_ptr, entry.grad_version = handed.data_ptr(), handed._version
+    entry.handed_stride = tuple(handed.stride())
+    param.grad = handed.contiguous()  # AccumulateGrad's copy
+    with caplog.at_level(logging.INFO, logger="erase_fx.early_update"):
+        assert session._changed(entry) == ("autograd copied the early gradient into .grad: its "
+                                           "layout is not the parameter's")
+    assert any("strides (3, 1)" in r.getMessage() and "(1, 4)" in r.getMessage()
+               for r in caplog.records)
+    entry.handed_stride = (3, 1)
+    assert session._changed(entry) == "autograd copied the early gradient into .grad (same layout)"
+    param.grad, entry.adopted_ptr = handed, handed.data_ptr()  # adopted as is
+    entry.grad_version = handed._version
+    assert session._changed(entry) is None
+
+
 def test_compile_step_opens_a_session_around_the_capture_only(fake_cuda, monkeypatch, caplog):
     opened = []
 
