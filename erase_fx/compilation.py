@@ -38,7 +38,7 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
 from erase_fx.early_grads import EarlyGrad, plan_early_grads
-from erase_fx.early_update import EarlyUpdates, plan_early_updates
+from erase_fx.early_update import EarlyUpdates, plan_early_updates, unprovable_loss_gradient
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import GraphedForward, graph_backward, graph_forward
 from erase_fx.emit.inductor_segments import (
@@ -94,7 +94,7 @@ class GraphCompilation:
         #: the early gradients an optimizer may update early (`erase_fx.early_update`):
         #: planned from the partition, narrowed once the forward's passes have run
         self.early_grads: tuple[EarlyGrad, ...] = ()
-        self.single_output = False
+        self.differentiable_outputs = 0
         self.early_updates: EarlyUpdates | None = None
 
     # -- AOTAutograd callbacks ------------------------------------------------
@@ -308,8 +308,8 @@ class GraphCompilation:
         (`erase_fx.early_update`)."""
         try:
             self.early_grads = plan_early_grads(fw, bw, num_fwd_outputs)
-            tangents = sum(1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
-            self.single_output = tangents == 1
+            self.differentiable_outputs = sum(
+                1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
         except Exception as error:  # noqa: BLE001 - the optimizer then updates them as usual
             if self.cfg.on_error == "raise":
                 raise
@@ -330,14 +330,13 @@ class GraphCompilation:
             log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
                         type(error).__name__, error)
             return
-        # NB: a graph with several differentiable outputs, or another seed, cannot prove T/s == 1
-        provable = self.single_output and self.cfg.seed == 1.0
-        self.report = dataclasses.replace(self.report,
-                                          early_updatable=len(planned) if provable else 0,
-                                          whole_early_grads=len(self.early_grads))
+        unprovable = unprovable_loss_gradient(self.differentiable_outputs, self.cfg.seed)
+        self.report = dataclasses.replace(
+            self.report, early_updatable=0 if unprovable else len(planned),
+            whole_early_grads=len(self.early_grads))
         if planned:
             self.early_updates = EarlyUpdates(self.graph_id, self.early_grads, planned,
-                                              self.cfg.seed, self.single_output)
+                                              unprovable)
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""

@@ -142,6 +142,21 @@ def _readers(node: fx.Node) -> set[fx.Node]:
     return found
 
 
+def unprovable_loss_gradient(differentiable_outputs: int, seed: float) -> str | None:
+    """Why a graph's early gradients cannot be proven handed out as computed, or None.
+
+    A backward from the graph's only differentiable output, with no gradient
+    given, makes the loss gradient ``T`` exactly 1; with ``seed`` 1 too,
+    ``T / seed == 1`` and the backward's in-place scaling does nothing.
+    """
+    if differentiable_outputs != 1:
+        return ("its graph has more than one differentiable output: its loss gradient cannot "
+                "be proven 1")
+    if seed != 1.0:
+        return f"the backend's seed is {seed}, not 1: T / seed is not 1"
+    return None
+
+
 # -- one compiled graph at run time ------------------------------------------------
 
 
@@ -159,18 +174,17 @@ class EarlyUpdates:
         grads: the whole early gradients (`erase_fx.early_grads.plan_early_grads`):
             a block completes when all of its are made.
         planned: which of them may be updated early (`plan_early_updates`).
-        seed: the config's seed: updates need ``T / seed == 1`` with ``T == 1``.
-        single_output: the graph has one differentiable output, so a backward
-            from it with no gradient given makes every early block's ``T`` 1.
+        unprovable: why no parameter of the graph may be updated early, decided
+            at compile time (`unprovable_loss_gradient`), or None.
     """
 
     def __init__(self, graph_id: int, grads: Sequence[EarlyGrad], planned: Sequence[EarlyGrad],
-                 seed: float, single_output: bool):
+                 unprovable: str | None):
         self.graph_id = graph_id
         self.grads = tuple(grads)
-        self.planned = tuple(g in set(planned) for g in self.grads)
-        self.seed = seed
-        self.single_output = single_output
+        chosen = set(planned)
+        self.planned = tuple(g in chosen for g in self.grads)
+        self.unprovable = unprovable
 
     def attach(self, program: Any) -> None:
         by_block: dict[Any, list[int]] = {}
@@ -238,7 +252,6 @@ class _Param:
     streams: Any
     events: list[Any]
     param_version: int
-    order: int
     handed: torch.Tensor | None = None
     node: Any = None
     adopted_ptr: int | None = None
@@ -325,14 +338,11 @@ class UpdateSession:
             if entry is not None:
                 entry.problem = entry.problem or "its gradient is made twice in the step"
                 continue
-            entry = _Param(param, owner, streams, events, param._version, len(self.params))
+            entry = _Param(param, owner, streams, events, param._version)
             if not side:
                 entry.problem = "its block runs on the main stream (streams=0 or overlap=False)"
-            elif not owner.single_output:
-                entry.problem = ("its graph has more than one differentiable output: its loss "
-                                 "gradient cannot be proven 1")
-            elif owner.seed != 1.0:
-                entry.problem = f"the backend's seed is {owner.seed}, not 1: T / seed is not 1"
+            else:
+                entry.problem = owner.unprovable
             self.params[id(param)] = entry
             if entry.problem is None:
                 self._watch(entry)
@@ -412,11 +422,13 @@ class UpdateSession:
         step = _step_function(optimizer)
         groups = optimizer.param_groups
         originals = [group["params"] for group in groups]
-        # NB: one update per block, in the order the blocks completed: each waits for its
-        # own block's event only (one events list per block)
+        # NB: one update per block, in the order the blocks completed (the order the session
+        # met their parameters): each waits for its own block's event only (one list a block)
+        chosen_entries = {id(e) for e in early}
         by_block: dict[int, list[_Param]] = {}
-        for entry in sorted(early, key=lambda e: e.order):
-            by_block.setdefault(id(entry.events), []).append(entry)
+        for entry in self.params.values():
+            if id(entry) in chosen_entries:
+                by_block.setdefault(id(entry.events), []).append(entry)
         try:
             for entries in by_block.values():
                 chosen = {id(e.param) for e in entries}
@@ -519,15 +531,6 @@ def _hyperparameter_versions(optimizer: Any) -> tuple[tuple[int, str, int], ...]
     return tuple((i, name, value._version) for i, group in enumerate(optimizer.param_groups)
                  for name, value in sorted(group.items(), key=lambda item: item[0])
                  if name != "params" and isinstance(value, torch.Tensor))
-
-
-def _unique(events: Sequence[Any]) -> list[Any]:
-    seen, unique = set(), []
-    for event in events:
-        if id(event) not in seen:
-            seen.add(id(event))
-            unique.append(event)
-    return unique
 
 
 def _step_function(optimizer: Any) -> Callable[[Any], Any]:

@@ -328,7 +328,7 @@ def test_a_gradient_autograd_copied_is_refused_with_its_layout(caplog):
     session = UpdateSession()
     session.backwards.append(_BackwardCall((loss,), False, False, False))
     entry = _Param(param, owner=None, streams=None, events=[], param_version=param._version,
-                   order=0, node=loss.grad_fn)
+                   node=loss.grad_fn)
     assert session._changed(entry) == ("autograd did not accumulate the early gradient into "
                                        ".grad")
     handed = torch.randn(3, 4).t()  # strides (1, 4); the parameter's are (3, 1)

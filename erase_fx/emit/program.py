@@ -249,8 +249,10 @@ class StreamProgram(Boxed):
         env: list[Any] = list(args) + [None] * (self.num_slots - len(args))
         for slot, value in self.constants:
             env[slot] = value
-        began = [(begin(args), hooks) for begin, hooks in self.hook_clients]
-        contexts = [(c, hooks) for c, hooks in began if c is not None] or None
+        contexts = None
+        if self.hook_clients:
+            began = [(begin(args), hooks) for begin, hooks in self.hook_clients]
+            contexts = [(c, hooks) for c, hooks in began if c is not None] or None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         if contexts is not None:
             self._complete(-1, env, contexts)
