@@ -53,8 +53,8 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
   eager); for ``+step`` variants, ``/early-optimizer`` (``compile_step``'s
-  ``early_optimizer=True``: the early blocks' parameters updated on their side
-  streams during the forward; with ``+adam``, what that is worth).
+  ``early_optimizer=True``: the early blocks' parameters updated on an update
+  stream during the forward; with ``+adam``, what that is worth).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name

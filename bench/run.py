@@ -73,6 +73,7 @@ from pathlib import Path
 import torch
 
 import erase_fx
+from erase_fx.early_update import describe_refusals
 from bench.harness import (WARMUP_STEPS, StepMemory, Variant, allocator_backend, build_step,
                            canonical, grads_of, judged_erase, max_rel_err, set_tf32, time_steps)
 from bench.models import build_config, config_flops, is_random, parse_config, takes_paper_scheme
@@ -461,7 +462,7 @@ def _notes(r: dict) -> str:
     if "captures" in r:
         text += f", captures {r.get('captures')}, replays {r.get('replays')}"
     if r.get("early_updated") is not None:
-        refused = "; ".join(f"{why} ({n})" for why, n in (r.get("early_refused") or {}).items())
+        refused = describe_refusals(r.get("early_refused") or {})
         text += (f", {r['early_updated']} parameters updated early"
                  + (f" (not early: {refused[:160]})" if refused else ""))
     if r.get("uncaptured_reason"):

@@ -522,6 +522,11 @@ class UpdateSession:
         self._forwards.clear()
 
 
+def describe_refusals(refused: dict[str, int]) -> str:
+    """``refused`` (why, how many parameters) in one line: "why (n); why (n)"."""
+    return "; ".join(f"{why} ({n})" for why, n in refused.items())
+
+
 def _memory(tensor: torch.Tensor) -> int:
     """Where a tensor's memory starts: the same for a parameter and any view of it."""
     return tensor.untyped_storage().data_ptr()

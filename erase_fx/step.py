@@ -129,7 +129,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.emit.capture_scope import whole_step_scope
-from erase_fx.early_update import open_session
+from erase_fx.early_update import describe_refusals, open_session
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
@@ -178,8 +178,9 @@ def compile_step(
         early_optimizer: in the captured graph, update the parameters of
             erase's early blocks on a stream of their own as soon as their
             gradients are made, overlapping the rest of the forward and the
-            backward, instead of after the backward (SGD, Adam, AdamW; the
-            same values, bit for bit). Each parameter's conditions are
+            backward, instead of after the backward (SGD, Adam, AdamW; meant
+            to give the same values, bit for bit; experimental: not yet
+            verified on a GPU with Inductor inside). Each parameter's conditions are
             checked (`erase_fx.early_update`); one that fails one is updated
             as usual. It asks one thing of the step that cannot be checked:
             between the model's forward and ``optimizer.step()`` nothing
@@ -210,7 +211,7 @@ class CompiledStep:
         uncaptured_reason: why the last call ran as written outside a warm-up
             (``None`` when it replayed or warmed up).
         early_updated: with ``early_optimizer``, the parameters the last
-            capture updates early, on side streams.
+            capture updates early, on the update stream.
         early_refused: with ``early_optimizer``, why the last capture did not
             update the other parameters of early blocks early, with how many.
     """
@@ -243,6 +244,7 @@ class CompiledStep:
         self.uncaptured_reason: str | None = None
         self._entries: dict[Any, _Entry] = {}
         self._disabled: str | None = None
+        self._allocator_refusal: Any = _MISSING
         self._logged: set[str] = set()
         self._known = _Known()
         self._module_hook: Any = None
@@ -259,9 +261,12 @@ class CompiledStep:
             return self._run_uncaptured(NO_CUDA, args, kwargs, level=logging.INFO)
         if self._disabled is not None:
             return self._run_uncaptured(self._disabled, args, kwargs)
-        refusal = allocator_refusal()
-        if refusal is not None:
-            return self._unsupported(refusal, ASYNC_ALLOCATOR_FIX, args, kwargs, None)
+        if self._allocator_refusal is _MISSING:
+            # NB: once: the allocator is chosen for the process when CUDA starts
+            self._allocator_refusal = allocator_refusal()
+        if self._allocator_refusal is not None:
+            return self._unsupported(self._allocator_refusal, ASYNC_ALLOCATOR_FIX, args, kwargs,
+                                     None)
         leaves, spec = _flatten(args, kwargs)
         key, why = _signature(leaves, spec)
         if why is not None:
@@ -447,7 +452,7 @@ class CompiledStep:
         if session is None:
             return
         self.early_updated, self.early_refused = session.updated, dict(session.refused)
-        reasons = "; ".join(f"{why} ({n})" for why, n in self.early_refused.items())
+        reasons = describe_refusals(self.early_refused)
         level = logging.INFO if self.early_updated else logging.WARNING
         log.log(level, "erase_fx compile_step %s: %d parameters updated early%s", self._name,
                 self.early_updated, f"; not early: {reasons}" if reasons else "")
