@@ -91,6 +91,9 @@
 #   bash bench/device_run.sh early-b   after early-a passes: Adam in the step with and without early
 #                                      updates against stock where activations dominate (gpt:16,
 #                                      ctr:16384: never slower) (~6 min)
+#   bash bench/device_run.sh early-c   early-a again with the updates on one update stream per side
+#                                      stream (one shared stream was slower on the H200), and a
+#                                      log line for each gradient autograd copied (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -158,7 +161,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b) ;;
+  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -289,6 +292,18 @@ case "$1" in
     timeout 290 python3 -m bench.run --budget-s 230 --out "$OUT/early-a.json" --streams '' \
       --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer ;;
+  early-c)
+    timeout 100 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early.log" || true
+    # NB: erase_fx.early_update logs at INFO the strides of a gradient autograd copied
+    timeout 470 python3 -c "import logging, sys, runpy
+logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')
+logging.getLogger('erase_fx.early_update').setLevel(logging.INFO)
+sys.argv[0] = 'bench.run'
+runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/early-c.json" \
+      --streams '' --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
+      --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   early-b)
     run early-b gpt:16:384:256:8,ctr:16384:1024:2048:6 \
       inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer \

@@ -7,7 +7,7 @@ together (mlp:128:2000:2000:4 on an H200: 1.4 of 1.9 ms), so erase's overlap
 of the early backward leaves the step at 0.94x of stock's. An early block's
 gradients are final the moment its early backward ends, in the middle of the
 forward; if nothing reads its parameters after that, their update can run
-then, on an update stream, while the rest of the forward and the backward
+then, on an update stream of its own, while the rest of the forward and the backward
 run. ``compile_step(fn, early_optimizer=True)`` builds that into the
 graph it captures; replays then overlap the update with the forward.
 
@@ -47,11 +47,13 @@ with the others, by the optimizer's own step, after the backward):
 
 - Then, before the optimizer's own step runs, the eligible parameters are
   updated, one call of the optimizer's own step function per block, with
-  the parameter groups narrowed to the block's, on the device's update
-  stream, after the block's event (`StreamOps.run_update`: not on the
-  block's side stream, whose freed memory the main stream may still be
-  reading); the optimizer's step then updates the rest on the main stream;
-  after it the main stream waits for the update stream, so what follows
+  the parameter groups narrowed to the block's, on the update stream paired
+  with the block's side stream, after the block's event
+  (`StreamOps.run_update`: not on the block's side stream, whose freed
+  memory the main stream may still be reading; one update stream per side
+  stream, so that the blocks' updates overlap as their backwards do); the
+  optimizer's step then updates the rest on the main stream; after it the
+  main stream waits for the update streams, so what follows
   ``optimizer.step()`` in the step sees every new parameter.
 
 What ``early_optimizer=True`` asks of the step, because it cannot be checked:
@@ -252,6 +254,8 @@ class _Param:
     streams: Any
     events: list[Any]
     param_version: int
+    #: the block's side stream, less one: its update stream (`StreamOps.run_update`)
+    lane: int = 0
     handed: torch.Tensor | None = None
     node: Any = None
     adopted_ptr: int | None = None
@@ -338,7 +342,8 @@ class UpdateSession:
             if entry is not None:
                 entry.problem = entry.problem or "its gradient is made twice in the step"
                 continue
-            entry = _Param(param, owner, streams, events, param._version)
+            entry = _Param(param, owner, streams, events, param._version,
+                           lane=side[0] - 1 if side else 0)
             if not side:
                 entry.problem = "its block runs on the main stream (streams=0 or overlap=False)"
             else:
@@ -435,7 +440,7 @@ class UpdateSession:
                 for group, params in zip(groups, originals):
                     group["params"] = [p for p in params if id(p) in chosen]
                 streams = entries[0].streams
-                streams.run_update(entries[0].events, lambda: step(optimizer))
+                streams.run_update(entries[0].lane, entries[0].events, lambda: step(optimizer))
                 if all(s is not streams for s in self._joins):
                     self._joins.append(streams)
         finally:

@@ -211,7 +211,7 @@ class CompiledStep:
         uncaptured_reason: why the last call ran as written outside a warm-up
             (``None`` when it replayed or warmed up).
         early_updated: with ``early_optimizer``, the parameters the last
-            capture updates early, on the update stream.
+            capture updates early, on the update streams.
         early_refused: with ``early_optimizer``, why the last capture did not
             update the other parameters of early blocks early, with how many.
     """

@@ -14,10 +14,11 @@ safe to use on the main stream. `StreamOps.run_comm(after, tensors, fn)`
 runs collective work (`erase_fx.ddp`'s early all-reduce) on a communication
 stream once the streams in ``after`` have done the work launched on them so
 far; `StreamOps.wait_comm()` makes the current stream wait for it (the
-backward does, before it reads what was reduced). `StreamOps.run_update(events,
-fn)` runs an early optimizer update (`erase_fx.early_update`) on the update
-stream once ``events`` fired; `StreamOps.join_update()` makes the current
-stream wait for the updates launched so far.
+backward does, before it reads what was reduced). `StreamOps.run_update(lane,
+events, fn)` runs an early optimizer update (`erase_fx.early_update`) on the
+update stream of side stream ``lane`` once ``events`` fired;
+`StreamOps.join_update()` makes the current stream wait for the updates
+launched so far.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class StreamOps(Protocol):
 
     def wait_comm(self) -> None: ...
 
-    def run_update(self, events: Sequence[Any], fn: Callable[[], T]) -> T: ...
+    def run_update(self, lane: int, events: Sequence[Any], fn: Callable[[], T]) -> T: ...
 
     def join_update(self) -> None: ...
 
@@ -105,10 +106,10 @@ class VirtualStreams:
         if self.trace is not None:
             self.trace.append(("wait_comm",))
 
-    def run_update(self, events: Sequence[Any], fn: Callable[[], T]) -> T:
+    def run_update(self, lane: int, events: Sequence[Any], fn: Callable[[], T]) -> T:
         """In program order: the update runs now."""
         if self.trace is not None:
-            self.trace.append(("update", tuple(events)))
+            self.trace.append(("update", lane, tuple(events)))
         return fn()
 
     def join_update(self) -> None:
@@ -123,7 +124,7 @@ class CudaStreams:
         self.device = device
         self.side = side_streams(device, num_side_streams)
         self._comm: torch.cuda.Stream | None = None
-        self._update: torch.cuda.Stream | None = None
+        self._updates: dict[int, torch.cuda.Stream] = {}
 
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
@@ -214,19 +215,26 @@ class CudaStreams:
         if self._comm is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._comm)
 
-    def run_update(self, events: Sequence[torch.cuda.Event], fn: Callable[[], T]) -> T:
-        """``fn`` on the device's update stream once ``events`` fired.
+    def run_update(self, lane: int, events: Sequence[torch.cuda.Event],
+                   fn: Callable[[], T]) -> T:
+        """``fn`` on the update stream of side stream ``lane`` once ``events`` fired.
 
         NB: not on the block's side stream: under capture the caching
         allocator hands a stream the memory freed on it, and a block's side
         stream made values the main stream reads after the join and frees
         while the backward runs; an update on that stream could be given
-        such memory while the main stream still reads it. The update stream
-        makes and frees only the updates' own temporaries. Only under
-        capture (`erase_fx.early_update`): what an update reads (parameters,
-        gradients, optimizer state) is not freed during the captured step.
+        such memory while the main stream still reads it. An update stream
+        makes and frees only the updates' own temporaries. One per side
+        stream, not one per device: the blocks' updates overlap each other as
+        their backwards do (on the H200, one shared update stream made Adam's
+        early updates a serial chain longer than the step's other work).
+        Only under capture (`erase_fx.early_update`): what an update reads
+        (parameters, gradients, optimizer state) is not freed during the
+        captured step.
         """
-        stream = self.update
+        stream = self._updates.get(lane)
+        if stream is None:
+            stream = self._updates[lane] = update_streams(self.device, lane + 1)[lane]
         for event in events:
             stream.wait_event(event)
         with torch.cuda.stream(stream):
@@ -234,15 +242,9 @@ class CudaStreams:
 
     def join_update(self) -> None:
         """The current stream waits for the updates launched so far."""
-        if self._update is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._update)
-
-    @property
-    def update(self) -> torch.cuda.Stream:
-        """The device's early-update stream (made on first use, shared by every graph)."""
-        if self._update is None:
-            self._update = update_stream(self.device)
-        return self._update
+        current = torch.cuda.current_stream(self.device)
+        for stream in self._updates.values():
+            current.wait_stream(stream)
 
 
 _pool_lock = threading.Lock()
@@ -251,26 +253,32 @@ _pool: dict[int, list[torch.cuda.Stream]] = {}
 
 def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
     """``count`` side streams of a device, shared by every compiled graph."""
+    return _first(_pool, device, count)
+
+
+def update_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """``count`` early-update streams of a device (one per side stream), shared by every
+    compiled graph."""
+    return _first(_update_pool, device, count)
+
+
+def _first(pool: dict[int, list[torch.cuda.Stream]], device: torch.device,
+           count: int) -> list[torch.cuda.Stream]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _pool_lock:
-        streams = _pool.setdefault(index, [])
+        streams = pool.setdefault(index, [])
         while len(streams) < count:
             streams.append(torch.cuda.Stream(device=index))
         return streams[:count]
 
 
 _comm_pool: dict[int, torch.cuda.Stream] = {}
-_update_pool: dict[int, torch.cuda.Stream] = {}
+_update_pool: dict[int, list[torch.cuda.Stream]] = {}
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The communication stream of a device, shared by every compiled graph."""
     return _one_per_device(_comm_pool, device)
-
-
-def update_stream(device: torch.device) -> torch.cuda.Stream:
-    """The early-update stream of a device, shared by every compiled graph."""
-    return _one_per_device(_update_pool, device)
 
 
 def _one_per_device(pool: dict[int, torch.cuda.Stream],
