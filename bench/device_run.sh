@@ -94,6 +94,10 @@
 #   bash bench/device_run.sh early-c   early-a again with the updates on one update stream per side
 #                                      stream (one shared stream was slower on the H200), and a
 #                                      log line for each gradient autograd copied (~9 min)
+#   bash bench/device_run.sh early-d   after early-c: DGL ResNet-18 with its conv weights' early
+#                                      gradients made in the parameters' layout (one more copy of
+#                                      AccumulateGrad's gone; their early updates possible), then
+#                                      gpt:16 and ctr:16384 (never slower), Adam in the step (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -161,7 +165,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c) ;;
+  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -303,6 +307,12 @@ sys.argv[0] = 'bench.run'
 runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/early-c.json" \
       --streams '' --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  early-d)
+    timeout 560 python3 -m bench.run --budget-s 470 --out "$OUT/early-d.json" --streams '' \
+      --sweep-configs '' --trials 5 \
+      --configs tv-resnet18-dgl:256:32,gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      --variants inductor+step+adam,erase+step+adam/early-optimizer,erase+step+adam 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   early-b)
     run early-b gpt:16:384:256:8,ctr:16384:1024:2048:6 \

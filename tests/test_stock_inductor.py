@@ -267,3 +267,64 @@ def test_a_cached_segment_with_other_strides_is_compiled_again(monkeypatch):
         monkeypatch.setattr(compilation, "keep_early_values_at_fx_strides", keep)
         torch.compile(copy.deepcopy(model), backend="erase", options=RAISE)(*inputs).backward()
     assert len(in_place) == 8
+
+
+def _segment_returning(example: torch.Tensor, early: bool) -> torch.fx.GraphModule:
+    """A segment that returns ``x * 2`` (tagged early or not), its example value ``example``."""
+    from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    y.meta["val"] = example
+    if early:
+        set_meta(y, NodeMeta(Role.EARLY_BACKWARD, block=0))
+    graph.output((y, x))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("example, memory_format", [
+    (torch.empty(8, 4, 3, 3), torch.contiguous_format),
+    (torch.empty(8, 4, 3, 3).to(memory_format=torch.channels_last), torch.channels_last),
+    (torch.empty(2, 8, 4, 3, 3).to(memory_format=torch.channels_last_3d),
+     torch.channels_last_3d),
+    (torch.empty(4, 8).t(), None),  # strides that are no memory format: left alone
+], ids=["contiguous", "channels-last", "channels-last-3d", "transposed"])
+def test_early_outputs_are_returned_through_a_clone_to_their_fx_memory_format(example,
+                                                                              memory_format):
+    segment = _segment_returning(example, early=True)
+    pinned = inductor_segments.pin_early_outputs_to_fx_layout(segment, [0, 1])
+    returned = list(segment.graph.find_nodes(op="output")[0].args[0])
+    if memory_format is None:
+        assert pinned == [] and returned[0].target is torch.ops.aten.mul.Tensor
+        return
+    assert pinned == [0]  # the placeholder (output 1) is not an early value
+    clone = returned[0]
+    assert clone.target is torch.ops.aten.clone.default
+    assert clone.kwargs == {"memory_format": memory_format}
+    assert clone.meta["val"].stride() == example.stride()
+    assert inductor_segments.is_early(clone)
+    x = torch.randn(example.shape)
+    got = segment(x)[0]
+    assert torch.equal(got, x * 2) and got.is_contiguous(memory_format=memory_format)
+
+
+def test_forward_values_are_not_pinned():
+    segment = _segment_returning(torch.empty(8, 4, 3, 3), early=False)
+    assert inductor_segments.pin_early_outputs_to_fx_layout(segment, [0, 1]) == []
+
+
+def test_a_pinned_early_value_costs_nothing_where_its_strides_agree(monkeypatch):
+    """Inductor removes the clone when the segment makes the FX strides anyway (noop removal)."""
+    model, inputs = DetachedConvStages(), image_inputs()
+    pinned = []
+    real = inductor_segments.pin_early_outputs_to_fx_layout
+    monkeypatch.setattr(inductor_segments, "pin_early_outputs_to_fx_layout",
+                        lambda segment, indices: pinned.extend(real(segment, indices)))
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with_pins = generated_code(copy.deepcopy(model), inputs, backend="erase", options=RAISE)
+        monkeypatch.setattr(inductor_segments, "pin_early_outputs_to_fx_layout",
+                            lambda segment, indices: [])
+        without = generated_code(copy.deepcopy(model), inputs, backend="erase", options=RAISE)
+    assert pinned  # the early grads went through the clones
+    assert with_pins == without

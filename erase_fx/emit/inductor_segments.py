@@ -33,6 +33,17 @@ the FX graph, each a copy). So:
   inputs, so it too is reported as made. Inductor's FX graph cache keys a
   graph by its code, not its user-visible outputs: a cached segment whose
   visible outputs come back padded is compiled again without the cache.
+- **Early values keep eager's memory format.** Inductor re-derives a
+  segment's FX strides from its re-strided inputs, so a convolution's weight
+  gradient read from a channels-last activation comes out channels-last
+  (seen on an H200, DGL ResNet-18), while its parameter is contiguous:
+  AccumulateGrad then copies it into ``.grad`` at the end of the backward, on
+  the main stream, at every step (and the early optimizer update cannot take
+  it). `pin_early_outputs_to_fx_layout` returns each early value through a
+  ``clone`` to the memory format of its FX strides, the strides eager makes:
+  the conversion runs inside the segment, on its side stream, early.
+  Inductor removes the clone where the strides already agree
+  (``remove_noop_ops``), so it costs nothing there.
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
   the FX strides, the simple rule that needs no symbolic stride algebra.
 
@@ -97,6 +108,8 @@ def compile_inductor_segments(
         inputs = _inputs_with_strides(segment, call.args, strides)
         getitems = {user.args[1]: user for user in call.users}
         held = sorted(i for i, node in getitems.items() if node in visible)
+        if not keep_fx_strides:
+            pin_early_outputs_to_fx_layout(segment, held)
         mark_outputs_user_visible(segment, None if keep_fx_strides else held)
         kwargs = dict(
             static_input_idxs=[j for j, arg in enumerate(call.args)
@@ -142,6 +155,54 @@ def keep_early_values_at_fx_strides(fw: fx.GraphModule) -> None:
     visible |= {i for i, value in enumerate(values)
                 if isinstance(value, fx.Node) and is_early(value)}
     out.meta["user_visible_output_idxs"] = sorted(visible)
+
+
+def pin_early_outputs_to_fx_layout(segment: fx.GraphModule, indices: Sequence[int]) -> list[int]:
+    """Return each early value among outputs ``indices`` of ``segment`` through a ``clone`` to the
+    memory format of its FX strides (contiguous or channels-last); the indices it pinned.
+
+    Call it before the segment first compiles: its FX strides are then still
+    those of the whole forward's trace (eager's), not yet re-derived from
+    re-strided inputs. A value whose strides are no memory format is left as
+    it is.
+    """
+    graph = segment.graph
+    out = output_node(graph)
+    values = output_values(graph)
+    pinned = []
+    for i in indices:
+        value = values[i]
+        if not isinstance(value, fx.Node) or not is_early(value):
+            continue
+        example = value.meta.get("val")
+        memory_format = _memory_format(example)
+        if memory_format is None:
+            continue
+        with graph.inserting_before(out):
+            clone = graph.call_function(torch.ops.aten.clone.default, (value,),
+                                        {"memory_format": memory_format})
+        clone.meta = dict(value.meta)
+        clone.meta["val"] = _restrided(example, tuple(example.stride()))
+        values[i] = clone
+        pinned.append(i)
+    if pinned:
+        returned = out.args[0]
+        out.args = (type(returned)(values) if isinstance(returned, (tuple, list))
+                    else values[0],)
+        segment.recompile()
+    return pinned
+
+
+def _memory_format(value: Any) -> torch.memory_format | None:
+    """The memory format a static-shaped tensor's strides are, or None."""
+    if not isinstance(value, torch.Tensor) or has_symbolic_shapes([value]):
+        return None
+    if value.is_contiguous():
+        return torch.contiguous_format
+    for memory_format, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if value.dim() == dim and value.is_contiguous(memory_format=memory_format):
+            return memory_format
+    return None
 
 
 def _user_visible_values(whole: fx.GraphModule, results: Sequence[Any]) -> set[Any]:
