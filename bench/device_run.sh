@@ -100,6 +100,8 @@
 #                                      gpt:16 and ctr:16384 (never slower), Adam in the step (~9 min)
 #   bash bench/device_run.sh vision-i  MobileNetV3-small (DGL): stock against erase, after early values
 #                                      were pinned to eager's memory format (~5 min)
+#   bash bench/device_run.sh layout-a  early values in eager's memory format or not (/layouts-unpinned),
+#                                      one run: MobileNetV3-small (DGL) and DGL ResNet-18 (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase
 #                                      with its small aux parts forced early (/all-parts)
@@ -165,7 +167,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   bench-a|bench-b|step|memory-a|memory-b|memory-c|memory-d|memory-e|memory-f|streams-a) ;;
   kernels-a) ;;
-  vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|gpt8-a) ;;
+  vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d) ;;
   models-a|models-b|models-c|models-d) ;;
@@ -338,6 +340,11 @@ runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/e
     timeout 570 python3 -m bench.run --budget-s 330 --out "$OUT/vision-g.json" --streams '' \
       --configs tv-googlenet-aux:128:64 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/all-parts ;;
+  layout-a)
+    timeout 570 python3 -m bench.run --budget-s 500 --out "$OUT/layout-a.json" --streams '' \
+      --configs tv-mobilenet-dgl:256:64,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/layouts-unpinned 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   vision-i)
     timeout 340 python3 -m bench.run --budget-s 270 --out "$OUT/vision-i.json" --streams '' \
       --configs tv-mobilenet-dgl:256:64 --variants inductor+step,erase+step --sweep-configs '' \

@@ -53,8 +53,12 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/aot_eager``
   (inner compiler ``aot_eager``: eager's kernels, so it must train exactly as
   eager); for ``+step`` variants, ``/early-optimizer`` (``compile_step``'s
-  ``early_optimizer=True``: the early blocks' parameters updated on an update
-  stream during the forward; with ``+adam``, what that is worth).
+  ``early_optimizer=True``: the early blocks' parameters updated on update
+  streams during the forward; with ``+adam``, what that is worth);
+  ``/layouts-unpinned`` (no option: for the row, erase_fx's
+  ``inductor_segments.pin_early_outputs_to_fx_layout`` does nothing, so early
+  values leave their segments in whatever layout Inductor derives there, as
+  before that function: what keeping eager's memory format costs or saves).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -65,11 +69,14 @@ backend) and the rounding control ``eager/1ulp``.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import importlib
 import re
 import statistics
-from collections.abc import Callable, Sequence
+import unittest.mock
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -96,7 +103,13 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "early-optimizer": {"early_optimizer": True},
 }
-CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS)
+#: Each control that patches erase_fx for its row (an A/B of an internal choice that has no
+#: option): the module, the function, and what replaces it.
+PATCH_CONTROLS: dict[str, tuple[str, str, Callable[..., Any]]] = {
+    "layouts-unpinned": ("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
+                         lambda segment, indices: []),
+}
+CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS, *PATCH_CONTROLS)
 
 #: Names used by earlier results files and scripts, and the name each has now.
 LEGACY_NAMES = {
@@ -217,6 +230,18 @@ class Variant:
             options.update(STEP_CONTROL_OPTIONS.get(one, {}))
         return options
 
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """Inside: erase_fx with this variant's patch controls (``/layouts-unpinned``) applied."""
+        with contextlib.ExitStack() as stack:
+            for one in self.control.split("/") if self.control else ():
+                if one in PATCH_CONTROLS:
+                    module, name, replacement = PATCH_CONTROLS[one]
+                    stack.enter_context(
+                        unittest.mock.patch.object(importlib.import_module(module), name,
+                                                   replacement))
+            yield
+
     def stock(self) -> tuple[str, ...]:
         """The stock variants this erase variant is compared with (speed and memory).
 
@@ -238,7 +263,7 @@ def _control_options(control: str) -> dict[str, Any]:
     """The backend options one control sets (a valid control: `Variant.parse` checks)."""
     if control in CONTROL_OPTIONS:
         return CONTROL_OPTIONS[control]
-    if control in STEP_CONTROL_OPTIONS:
+    if control in STEP_CONTROL_OPTIONS or control in PATCH_CONTROLS:
         return {}
     key, value = control.split("=")
     return {key.replace("-", "_"): int(value)}

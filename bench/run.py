@@ -25,7 +25,10 @@ variant. Variant names follow one grammar (`bench.harness`):
 - controls: ``erase+graphs/streams=N`` (``--streams``), and ``/one-stream``
   forms (``erase+graphs/one-stream``, ``erase+step-graph/one-stream``,
   ``erase+step/one-stream``): the backend's ``overlap=False``, every segment
-  on the main stream (what the overlap alone is worth).
+  on the main stream (what the overlap alone is worth); the others are
+  listed in `bench.harness` (options such as ``/streams=2``, compile_step's
+  ``/early-optimizer``, and ``/layouts-unpinned``, which patches erase_fx for
+  its row).
 
 Configs (`bench.models.parse_config`): detached chains ``kind:B:d:h:K``
 (`CONFIGS`, the default; towers too), transformer chains ``gpt:B:d:T:K``
@@ -110,15 +113,16 @@ def measure(cfg, name: str, base, inputs, reference, args) -> dict:
 
     start = time.perf_counter()
     set_tf32(False)
-    with erase_fx.collect_reports() as reports:
-        built = build_step(variant, model, inputs, after_first=after_first)
-        for _ in range(WARMUP_STEPS):
-            built.step()
-        torch.cuda.synchronize()
-    compile_s = time.perf_counter() - start
-    memory.before_timing()
-    median, low, high = time_steps(built.step, args.trials, args.steps_per_trial)
-    weighed = memory.finish(model, built.optimizer)
+    with variant.patched():
+        with erase_fx.collect_reports() as reports:
+            built = build_step(variant, model, inputs, after_first=after_first)
+            for _ in range(WARMUP_STEPS):
+                built.step()
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        memory.before_timing()
+        median, low, high = time_steps(built.step, args.trials, args.steps_per_trial)
+        weighed = memory.finish(model, built.optimizer)
     flops = config_flops(cfg)
     row = {
         "config": str(cfg), "variant": name, "ms_median": median, "ms_min": low, "ms_max": high,

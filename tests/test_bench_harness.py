@@ -118,6 +118,21 @@ def test_early_optimizer_is_a_control_of_step_variants_that_sets_a_compile_step_
         Variant.parse("erase+graphs/early-optimizer")
 
 
+def test_layouts_unpinned_patches_erase_for_its_row_only():
+    from erase_fx.emit import inductor_segments
+
+    real = inductor_segments.pin_early_outputs_to_fx_layout
+    variant = Variant.parse("erase+step/layouts-unpinned")
+    assert variant.erase_options == Variant.parse("erase+step").erase_options
+    with variant.patched():
+        assert inductor_segments.pin_early_outputs_to_fx_layout(object(), [0]) == []
+    assert inductor_segments.pin_early_outputs_to_fx_layout is real
+    with Variant.parse("erase+step/streams=2").patched():
+        assert inductor_segments.pin_early_outputs_to_fx_layout is real
+    with pytest.raises(ValueError, match="apply to erase variants only"):
+        Variant.parse("inductor+step/layouts-unpinned")
+
+
 def test_one_vocabulary_across_bench_and_its_tests():
     """No legacy name left in bench/ or the bench and paper tests; every list of names parses."""
     from bench import check_cuda, run
