@@ -272,19 +272,10 @@ def _first(pool: dict[int, list[torch.cuda.Stream]], device: torch.device,
         return streams[:count]
 
 
-_comm_pool: dict[int, torch.cuda.Stream] = {}
+_comm_pool: dict[int, list[torch.cuda.Stream]] = {}
 _update_pool: dict[int, list[torch.cuda.Stream]] = {}
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The communication stream of a device, shared by every compiled graph."""
-    return _one_per_device(_comm_pool, device)
-
-
-def _one_per_device(pool: dict[int, torch.cuda.Stream],
-                    device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _pool_lock:
-        if index not in pool:
-            pool[index] = torch.cuda.Stream(device=index)
-        return pool[index]
+    return _first(_comm_pool, device, 1)[0]
