@@ -10,7 +10,7 @@ forward; if nothing reads its parameters after that, their update can run
 then, on a stream of its own, while the rest of the forward and the backward
 run. ``compile_step(fn, early_optimizer=True)`` builds that into the graph it
 captures; replays then overlap the update with the forward (H200: Adam steps
-at 0.67-0.89x of stock's, 0.75-0.98x without it; `docs/performance.md`).
+at 0.67-0.96x of stock's, 0.75-0.98x without it; `docs/performance.md`).
 
 What decides it, and why each condition (a parameter failing one is updated
 with the others, by the optimizer's own step, after the backward):
