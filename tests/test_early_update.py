@@ -179,6 +179,8 @@ def test_the_current_autograd_node_is_the_outputs_grad_fn():
     (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
     (torch.optim.Adam, {"lr": 0.01, "foreach": False, "amsgrad": True}),
     (torch.optim.AdamW, {"lr": 0.01, "foreach": True, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01, "fused": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "fused": True, "weight_decay": 0.1}),
 ])
 def test_a_step_in_two_narrowed_calls_equals_one_step_bitwise(cls, kwargs):
     torch.manual_seed(0)
