@@ -22,7 +22,12 @@ with the others, by the optimizer's own step, after the backward):
   gradients is computed from: nothing in the forward or the backward reads
   it once its block is done. A parameter saved for the backward, shared with a later
   block, or returned is not updated early; nor is any parameter of a graph
-  with more than one differentiable output (see the backward below).
+  with more than one differentiable output (see the backward below), nor
+  of a graph compiled under DistributedDataParallel: its gradients are
+  all-reduced after their block (erase's early all-reduce, or DDP at the
+  end of the backward), so an update after the block would read them
+  unreduced; such a graph plans its early gradients for the all-reduce only
+  (`erase_fx.compilation`).
 - while `compile_step` captures the step (`UpdateSession`):
 
   - each block's completion records an event on its side stream: the update

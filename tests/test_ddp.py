@@ -55,9 +55,10 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
                 compiled(*inputs).backward()
                 worst = max(worst, max((a.grad - b.grad).abs().max().item() for a, b in
                                        zip(eager.module.parameters(), module.parameters())))
-        queue.put((rank, worst, (len(reports), sum(len(r.blocks) for r in reports)), None))
+        queue.put((rank, worst, (len(reports), sum(len(r.blocks) for r in reports),
+                                 sum(r.early_updatable for r in reports)), None))
     except Exception as error:  # noqa: BLE001 - reported to the test in the parent
-        queue.put((rank, None, (0, 0), f"{type(error).__name__}: {error}"))
+        queue.put((rank, None, (0, 0, 0), f"{type(error).__name__}: {error}"))
     finally:
         dist.destroy_process_group()
 
@@ -90,10 +91,12 @@ def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
 ])
 def test_ddp_gradients_equal_eager_ddp(tmp_path, model_name, optimize_ddp, bucket_cap_mb,
                                        graphs, early_blocks, options):
-    for rank, worst, (num_graphs, blocks), error in run_ddp(tmp_path, optimize_ddp,
-                                                            bucket_cap_mb, model_name, options):
+    results = run_ddp(tmp_path, optimize_ddp, bucket_cap_mb, model_name, options)
+    for rank, worst, (num_graphs, blocks, updatable), error in results:
         assert error is None, f"rank {rank}: {error}"
         assert worst == 0.0, f"rank {rank}: grads differ from eager DDP by {worst}"
         assert num_graphs == graphs
+        # NB: under DDP the gradients are all-reduced after their block: no early update
+        assert updatable == 0, f"rank {rank}: {updatable} parameters may be updated early"
         if early_blocks is not None:
             assert blocks == early_blocks, f"rank {rank}: {blocks} early blocks"
