@@ -130,6 +130,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.emit.capture_scope import whole_step_scope
 from erase_fx.early_update import describe_refusals, open_session
+
+#: Where a step's compiled graphs have no parameter an early update could move.
+NONE_EARLY = ("early updates need graphs compiled with backend='erase' that have early blocks "
+              "and parameters only those blocks read; none under DistributedDataParallel; "
+              "erase_fx.explain says how many each graph has")
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
@@ -454,6 +459,8 @@ class CompiledStep:
             return
         self.early_updated, self.early_refused = session.updated, dict(session.refused)
         reasons = describe_refusals(self.early_refused)
+        if not self.early_updated and not reasons:
+            reasons = f"no compiled graph of the step has a parameter to update early ({NONE_EARLY})"
         level = logging.INFO if self.early_updated else logging.WARNING
         log.log(level, "erase_fx compile_step %s: %d parameters updated early%s", self._name,
                 self.early_updated, f"; not early: {reasons}" if reasons else "")

@@ -376,6 +376,20 @@ def test_compile_step_opens_a_session_around_the_capture_only(fake_cuda, monkeyp
                for r in caplog.records)
 
 
+def test_a_step_with_nothing_to_update_early_says_where_early_updates_come_from(fake_cuda,
+                                                                              caplog):
+    model, opt = _training("adam", capturable=True)
+    step = compile_step(_step(model, opt, model), early_optimizer=True)  # eager: no erase graph
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        for _ in range(4):
+            step(x, y)
+    assert step.captures == 1 and step.early_updated == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("0 parameters updated early; not early: no compiled graph" in m
+               and "backend='erase'" in m for m in warnings), warnings
+
+
 def test_early_optimizer_is_checked_like_the_other_options():
     with pytest.raises(EraseOptionError, match="early_optimizer"):
         compile_step(lambda: None, early_optimizer="yes")
