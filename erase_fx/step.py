@@ -460,7 +460,8 @@ class CompiledStep:
         self.early_updated, self.early_refused = session.updated, dict(session.refused)
         reasons = describe_refusals(self.early_refused)
         if not self.early_updated and not reasons:
-            reasons = f"no compiled graph of the step has a parameter to update early ({NONE_EARLY})"
+            reasons = ("no compiled graph of the step has a parameter to update early "
+                       f"({NONE_EARLY})")
         level = logging.INFO if self.early_updated else logging.WARNING
         log.log(level, "erase_fx compile_step %s: %d parameters updated early%s", self._name,
                 self.early_updated, f"; not early: {reasons}" if reasons else "")
