@@ -98,9 +98,9 @@
 #                                      gradients made in the parameters' layout (one more copy of
 #                                      AccumulateGrad's gone; their early updates possible), then
 #                                      gpt:16 and ctr:16384 (never slower), Adam in the step (~9 min)
-#   bash bench/device_run.sh vision-i  MobileNetV3-small (DGL): stock against erase, after early values
+#   bash bench/device_run.sh vision-i  MobileNetV3-small (DGL): stock against erase, after early gradients
 #                                      were pinned to eager's memory format (~5 min)
-#   bash bench/device_run.sh layout-a  early values in eager's memory format or not (/layouts-unpinned),
+#   bash bench/device_run.sh layout-a  early gradients in eager's memory format or not (/layouts-unpinned),
 #                                      one run: MobileNetV3-small (DGL) and DGL ResNet-18 (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
 #                                      variant on a cold cache): stock against erase, and erase

@@ -57,7 +57,7 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   streams during the forward; with ``+adam``, what that is worth);
   ``/layouts-unpinned`` (no option: for the row, erase_fx's
   ``inductor_segments.pin_early_outputs_to_fx_layout`` does nothing, so early
-  values leave their segments in whatever layout Inductor derives there, as
+  gradients leave their segments in whatever layout Inductor derives there, as
   before that function: what keeping eager's memory format costs or saves).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,

@@ -269,8 +269,10 @@ def test_a_cached_segment_with_other_strides_is_compiled_again(monkeypatch):
     assert len(in_place) == 8
 
 
-def _segment_returning(example: torch.Tensor, early: bool) -> torch.fx.GraphModule:
-    """A segment that returns ``x * 2`` (tagged early or not), its example value ``example``."""
+def _segment_returning(example: torch.Tensor, early: bool,
+                       grad_of: int | None = 0) -> torch.fx.GraphModule:
+    """A segment that returns ``x * 2`` (tagged early, the gradient of primal ``grad_of``, or not
+    early), its example value ``example``."""
     from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
 
     graph = torch.fx.Graph()
@@ -278,7 +280,7 @@ def _segment_returning(example: torch.Tensor, early: bool) -> torch.fx.GraphModu
     y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
     y.meta["val"] = example
     if early:
-        set_meta(y, NodeMeta(Role.EARLY_BACKWARD, block=0))
+        set_meta(y, NodeMeta(Role.EARLY_BACKWARD, block=0, grad_of=grad_of))
     graph.output((y, x))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -309,9 +311,12 @@ def test_early_outputs_are_returned_through_a_clone_to_their_fx_memory_format(ex
     assert torch.equal(got, x * 2) and got.is_contiguous(memory_format=memory_format)
 
 
-def test_forward_values_are_not_pinned():
-    segment = _segment_returning(torch.empty(8, 4, 3, 3), early=False)
-    assert inductor_segments.pin_early_outputs_to_fx_layout(segment, [0, 1]) == []
+def test_forward_values_and_early_parts_of_gradients_are_not_pinned():
+    forward = _segment_returning(torch.empty(8, 4, 3, 3), early=False)
+    assert inductor_segments.pin_early_outputs_to_fx_layout(forward, [0, 1]) == []
+    # NB: a part a sum in the backward reads: no .grad to match, Inductor's layout stays
+    part = _segment_returning(torch.empty(8, 4, 3, 3), early=True, grad_of=None)
+    assert inductor_segments.pin_early_outputs_to_fx_layout(part, [0, 1]) == []
 
 
 def test_a_pinned_early_value_costs_nothing_where_its_strides_agree(monkeypatch):

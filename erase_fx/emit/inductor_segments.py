@@ -39,7 +39,7 @@ the FX graph, each a copy). So:
   (seen on an H200, DGL ResNet-18), while its parameter is contiguous:
   AccumulateGrad then copies it into ``.grad`` at the end of the backward, on
   the main stream, at every step (and the early optimizer update cannot take
-  it). `pin_early_outputs_to_fx_layout` returns each early value through a
+  it). `pin_early_outputs_to_fx_layout` returns each early gradient through a
   ``clone`` to the memory format of its FX strides, the strides eager makes:
   the conversion runs inside the segment, on its side stream, early.
   Inductor removes the clone where the strides already agree
@@ -65,7 +65,7 @@ from erase_fx.emit.scale_grads import is_dense_layout
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import SegmentedForward
 from erase_fx.passes.graph import output_node, output_values
-from erase_fx.passes.node_meta import is_early
+from erase_fx.passes.node_meta import get_meta, is_early
 
 WHERE = "compile_inductor_segments"
 Stride = tuple[int, ...]
@@ -158,13 +158,15 @@ def keep_early_values_at_fx_strides(fw: fx.GraphModule) -> None:
 
 
 def pin_early_outputs_to_fx_layout(segment: fx.GraphModule, indices: Sequence[int]) -> list[int]:
-    """Return each early value among outputs ``indices`` of ``segment`` through a ``clone`` to the
-    memory format of its FX strides (contiguous or channels-last); the indices it pinned.
+    """Return each early gradient among outputs ``indices`` of ``segment`` through a ``clone`` to
+    the memory format of its FX strides (contiguous or channels-last); the indices it pinned.
 
     Call it before the segment first compiles: its FX strides are then still
     those of the whole forward's trace (eager's), not yet re-derived from
-    re-strided inputs. A value whose strides are no memory format is left as
-    it is.
+    re-strided inputs. Only whole gradients of a primal (``grad_of``), which
+    autograd adopts as ``.grad`` if their layout is the parameter's: an early
+    part of a gradient, which a sum in the backward reads, keeps the layout
+    Inductor chose. A value whose strides are no memory format is left as it is.
     """
     graph = segment.graph
     out = output_node(graph)
@@ -172,7 +174,7 @@ def pin_early_outputs_to_fx_layout(segment: fx.GraphModule, indices: Sequence[in
     pinned = []
     for i in indices:
         value = values[i]
-        if not isinstance(value, fx.Node) or not is_early(value):
+        if not _is_early_gradient(value):
             continue
         example = value.meta.get("val")
         memory_format = _memory_format(example)
@@ -191,6 +193,12 @@ def pin_early_outputs_to_fx_layout(segment: fx.GraphModule, indices: Sequence[in
                     else values[0],)
         segment.recompile()
     return pinned
+
+
+def _is_early_gradient(value: Any) -> bool:
+    """An early block's whole gradient of a primal (what autograd will adopt as ``.grad``)."""
+    meta = get_meta(value) if isinstance(value, fx.Node) else None
+    return meta is not None and is_early(value) and meta.grad_of is not None
 
 
 def _memory_format(value: Any) -> torch.memory_format | None:
