@@ -100,6 +100,10 @@
 #                                      gpt:16 and ctr:16384 (never slower), Adam in the step (~9 min)
 #   bash bench/device_run.sh vision-i  MobileNetV3-small (DGL): stock against erase, after early gradients
 #                                      were pinned to eager's memory format (~5 min)
+#   bash bench/device_run.sh early-e   bench.check_step's early optimizer on DGL ResNet-18 (Inductor's
+#                                      channels-last inside; deterministic cuDNN): bitwise equal to
+#                                      the step without early updates, every planned weight early
+#                                      (~3 min, estimated)
 #   bash bench/device_run.sh layout-a  early gradients in eager's memory format or not (/layouts-unpinned),
 #                                      one run: MobileNetV3-small (DGL) and DGL ResNet-18 (~9 min)
 #   bash bench/device_run.sh vision-g  GoogLeNet with its aux heads alone (~220 s of compile per
@@ -169,7 +173,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d) ;;
+  streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
@@ -312,6 +316,9 @@ runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/e
       --streams '' --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  early-e)
+    timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
   early-d)
     timeout 560 python3 -m bench.run --budget-s 470 --out "$OUT/early-d.json" --streams '' \
       --sweep-configs '' --trials 5 \
