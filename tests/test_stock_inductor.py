@@ -333,3 +333,17 @@ def test_a_pinned_early_value_costs_nothing_where_its_strides_agree(monkeypatch)
         without = generated_code(copy.deepcopy(model), inputs, backend="erase", options=RAISE)
     assert pinned  # the early grads went through the clones
     assert with_pins == without
+
+
+def test_every_early_gradient_of_a_parameter_is_pinned(monkeypatch):
+    """Each early parameter gradient a segment returns goes through the pin (a pass that lost
+    the ``grad_of`` tag would leave a conv weight's gradient in Inductor's layout on a GPU)."""
+    pinned = []
+    real = inductor_segments.pin_early_outputs_to_fx_layout
+    monkeypatch.setattr(inductor_segments, "pin_early_outputs_to_fx_layout",
+                        lambda segment, indices: pinned.extend(real(segment, indices)))
+    with erase_fx.collect_reports() as reports:
+        torch.compile(DetachedConvStages(), backend="erase", options=RAISE)(
+            *image_inputs()).backward()
+    early_params = sum(len(b.params) for b in reports[0].blocks)
+    assert early_params == 16 and len(pinned) == early_params
