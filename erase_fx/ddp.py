@@ -98,7 +98,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.early_grads import EarlyGrad, block_key, plan_early_grads
+from erase_fx.early_grads import EarlyGrad, hook_each_block, plan_early_grads
 from erase_fx.emit.scale_grads import is_dense
 from erase_fx.errors import EraseDistributedError
 
@@ -502,13 +502,7 @@ class EarlyAllReduce:
         return self.streams is not None
 
     def attach(self, program: Any) -> None:
-        by_block: dict[Any, list[int]] = {}
-        for i, grad in enumerate(self.grads):
-            by_block.setdefault(block_key(grad), []).append(i)
-        hooks = [(tuple(self.grads[i].result for i in members),
-                  functools.partial(self._reduce_block, tuple(members)))
-                 for members in by_block.values()]
-        program.add_completion_hooks(self._begin, hooks)
+        hook_each_block(program, self.grads, self._begin, self._reduce_block)
         self.streams = program.streams
 
     def _begin(self, inputs: Sequence[Any]) -> _Call:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,3 +119,17 @@ def _returns_view(node: fx.Node) -> bool:
 def block_key(grad: EarlyGrad) -> Any:
     """The group of early gradients one completion marks: the block's (or the gradient alone)."""
     return grad.block if grad.block is not None else ("result", grad.result)
+
+
+def hook_each_block(program: Any, grads: Sequence[EarlyGrad], begin: Callable[..., Any],
+                    on_block: Callable[..., None]) -> None:
+    """Hook ``program`` (`StreamProgram.add_completion_hooks`) once per block of ``grads``:
+    ``on_block(members, context, values, after, streams)`` once the block's gradients are made,
+    ``members`` their indices in ``grads``."""
+    by_block: dict[Any, list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_block.setdefault(block_key(grad), []).append(i)
+    hooks = [(tuple(grads[i].result for i in members),
+              functools.partial(on_block, tuple(members)))
+             for members in by_block.values()]
+    program.add_completion_hooks(begin, hooks)

@@ -84,7 +84,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.early_grads import EarlyGrad, block_key
+from erase_fx.early_grads import EarlyGrad, block_key, hook_each_block
 from erase_fx.passes import MAIN_STREAM
 from erase_fx.passes.graph import is_view, output_values
 
@@ -195,13 +195,7 @@ class EarlyUpdates:
         self.unprovable = unprovable
 
     def attach(self, program: Any) -> None:
-        by_block: dict[Any, list[int]] = {}
-        for i, grad in enumerate(self.grads):
-            by_block.setdefault(block_key(grad), []).append(i)
-        hooks = [(tuple(self.grads[i].result for i in members),
-                  functools.partial(self._block_done, tuple(members)))
-                 for members in by_block.values()]
-        program.add_completion_hooks(self._begin, hooks)
+        hook_each_block(program, self.grads, self._begin, self._block_done)
 
     def _begin(self, inputs: Sequence[Any]) -> _Call | None:
         session = active_session()
