@@ -128,17 +128,17 @@ import torch.utils._pytree as pytree
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from erase_fx.emit.capture_scope import whole_step_scope
 from erase_fx.early_update import describe_refusals, open_session
+from erase_fx.emit.capture_scope import whole_step_scope
+from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
+from erase_fx.errors import EraseOptionError, StepCaptureError
+
+log = logging.getLogger(__name__)
 
 #: Where a step's compiled graphs have no parameter an early update could move.
 NONE_EARLY = ("early updates need graphs compiled with backend='erase' that have early blocks "
               "and parameters only those blocks read; none under DistributedDataParallel; "
               "erase_fx.explain says how many each graph has")
-from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
-from erase_fx.errors import EraseOptionError, StepCaptureError
-
-log = logging.getLogger(__name__)
 
 #: Allowed values of ``on_unsupported``.
 ON_UNSUPPORTED = ("fallback", "raise")
