@@ -215,10 +215,15 @@ class Variant:
         return self.capture == "step"
 
     @property
+    def controls(self) -> tuple[str, ...]:
+        """The controls one by one (``/streams=2/stages-on-main``: two)."""
+        return tuple(self.control.split("/")) if self.control else ()
+
+    @property
     def erase_options(self) -> dict[str, Any]:
         """The backend options of an erase variant: the defaults, then each control's."""
         options: dict[str, Any] = {"inner": "inductor", "cudagraphs": self.capture == "graphs"}
-        for one in self.control.split("/") if self.control else ():
+        for one in self.controls:
             options.update(_control_options(one))
         return options
 
@@ -226,7 +231,7 @@ class Variant:
     def step_options(self) -> dict[str, Any]:
         """The ``compile_step`` options of a ``+step`` variant's controls (``/early-optimizer``)."""
         options: dict[str, Any] = {}
-        for one in self.control.split("/") if self.control else ():
+        for one in self.controls:
             options.update(STEP_CONTROL_OPTIONS.get(one, {}))
         return options
 
@@ -234,7 +239,7 @@ class Variant:
     def patched(self) -> Iterator[None]:
         """Inside: erase_fx with this variant's patch controls (``/layouts-unpinned``) applied."""
         with contextlib.ExitStack() as stack:
-            for one in self.control.split("/") if self.control else ():
+            for one in self.controls:
                 if one in PATCH_CONTROLS:
                     module, name, replacement = PATCH_CONTROLS[one]
                     stack.enter_context(
