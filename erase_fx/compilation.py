@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch.fx as fx
 
@@ -67,6 +67,10 @@ from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, revise
 
 log = logging.getLogger("erase_fx")
+
+T = TypeVar("T")
+#: What a graph goes without when planning its early optimizer updates fails.
+NO_EARLY_UPDATE = "no early optimizer update (the optimizer updates after the backward)"
 
 
 class GraphCompilation:
@@ -289,46 +293,43 @@ class GraphCompilation:
 
     # -- helpers --------------------------------------------------------------
 
+    def _unless_it_fails(self, lost: str, plan: Callable[[], T]) -> T | None:
+        """``plan()``; if it raises: raise with ``on_error="raise"``, else log that ``lost`` (the
+        feature this graph goes without, the rest as usual) and return None."""
+        try:
+            return plan()
+        except Exception as error:  # noqa: BLE001 - the feature is an optimisation
+            if self.cfg.on_error == "raise":
+                raise
+            log.warning("erase_fx graph %d: %s: %s: %s", self.graph_id, lost,
+                        type(error).__name__, error)
+            return None
+
     def _plan_early_allreduce(self, fw: fx.GraphModule, bw: fx.GraphModule,
                               num_fwd_outputs: int) -> None:
         """Under DDP: which early gradients the forward all-reduces (`erase_fx.ddp`)."""
-        try:
-            self.early_allreduce = early_allreduce_for(
-                self.data_parallel, self.graph_id, fw, bw, num_fwd_outputs, self.cfg.on_error)
-        except Exception as error:  # noqa: BLE001 - DDP then reduces every gradient, as usual
-            if self.cfg.on_error == "raise":
-                raise
-            log.warning("erase_fx graph %d: no early all-reduce (DDP reduces every gradient at "
-                        ".backward()): %s: %s", self.graph_id, type(error).__name__, error)
-            self.early_allreduce = None
+        self.early_allreduce = self._unless_it_fails(
+            "no early all-reduce (DDP reduces every gradient at .backward())",
+            lambda: early_allreduce_for(self.data_parallel, self.graph_id, fw, bw,
+                                        num_fwd_outputs, self.cfg.on_error))
 
     def _plan_early_grads(self, fw: fx.GraphModule, bw: fx.GraphModule,
                           num_fwd_outputs: int) -> None:
         """The whole early gradients: those an optimizer step may update early
         (`erase_fx.early_update`)."""
-        try:
-            self.early_grads = plan_early_grads(fw, bw, num_fwd_outputs)
-            self.differentiable_outputs = sum(
-                1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
-        except Exception as error:  # noqa: BLE001 - the optimizer then updates them as usual
-            if self.cfg.on_error == "raise":
-                raise
-            log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
-                        type(error).__name__, error)
-            self.early_grads = ()
+        self.early_grads = self._unless_it_fails(
+            NO_EARLY_UPDATE, lambda: plan_early_grads(fw, bw, num_fwd_outputs)) or ()
+        self.differentiable_outputs = sum(
+            1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
 
     def _plan_early_updates(self, fw: fx.GraphModule) -> None:
         """Of the early gradients, those whose parameter the final forward reads only before
         them."""
         if not self.early_grads:
             return
-        try:
-            planned = plan_early_updates(fw, self.early_grads)
-        except Exception as error:  # noqa: BLE001 - the optimizer then updates them as usual
-            if self.cfg.on_error == "raise":
-                raise
-            log.warning("erase_fx graph %d: no early optimizer update: %s: %s", self.graph_id,
-                        type(error).__name__, error)
+        planned = self._unless_it_fails(
+            NO_EARLY_UPDATE, lambda: plan_early_updates(fw, self.early_grads))
+        if planned is None:
             return
         unprovable = unprovable_loss_gradient(self.differentiable_outputs, self.cfg.seed)
         self.report = dataclasses.replace(
