@@ -70,6 +70,10 @@
 #                                      2 with stages on main, at 1 (~7 min, not yet run)
 #   bash bench/device_run.sh streams-e the same on DGL ResNet-18, then MobileNetV3 DGL as the
 #                                      budget allows (~9 min, not yet run)
+#   bash bench/device_run.sh memprof-a where each stream's CUDA graph pool goes (bench.memory_profile):
+#                                      gpt:16:384:256:8 at 4, 2 and 0 side streams and stock,
+#                                      ctr:16384 at 4 and 0 and stock; whether Inductor has user
+#                                      streams; then the early optimizer's conv check (~9 min)
 #   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
 #                                      graph memory nodes: memory a side stream frees is reused by
 #                                      whatever the graph orders after it, on any stream) against
@@ -173,6 +177,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
+  memprof-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -316,6 +321,23 @@ runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/e
       --streams '' --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  memprof-a)
+    # where each stream's graph pool goes (issue 14), then whether this torch's Inductor has
+    # user streams, then the early optimizer's conv check with the time left
+    timeout 330 python3 -m bench.memory_profile --top 8 --out "$OUT/memprof-a-gpt.json" \
+      --configs gpt:16:384:256:8 \
+      --variants inductor+step,erase+step,erase+step/streams=2,erase+step/streams=0 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-a-gpt.md" || true
+    timeout 120 python3 -m bench.memory_profile --top 8 --out "$OUT/memprof-a-ctr.json" \
+      --configs ctr:16384:1024:2048:6 --variants inductor+step,erase+step,erase+step/streams=0 \
+      2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/memprof-a-ctr.md" || true
+    python3 -c "import torch, importlib.util as u, torch._inductor.scheduler as s
+print('torch', torch.__version__, 'inductor stream_utils:',
+      u.find_spec('torch._inductor.stream_utils') is not None,
+      '_populate_stream_assignments:', hasattr(s.Scheduler, '_populate_stream_assignments'))" \
+      | tee "$OUT/inductor-streams.txt"
+    timeout 100 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
   early-e)
     timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;

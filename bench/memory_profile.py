@@ -1,0 +1,250 @@
+"""Where a captured step's memory goes, by stream: ``python -m bench.memory_profile``.
+
+Under CUDA graph capture torch's native caching allocator hands the memory
+freed on a stream only to later allocations on that stream, so a whole-step
+graph's private pool is, stream by stream, the most that stream ever had
+alive at once (plus rounding). This script builds each variant's step
+(`bench.harness.build_step`: compile, warm-up, capture) with the allocator's
+history on (``torch.cuda.memory._record_memory_history``), then reads its
+snapshot and says, for every stream that allocated in a CUDA graph pool:
+
+- the pool memory the stream holds (the segments made for it);
+- the most bytes it had alive at once during capture (its high-water mark),
+  and the largest allocations alive at that moment, each with the line that
+  made it (Inductor's generated code shows the buffer, its shape and dtype)
+  and the erase_fx function it ran under, if any.
+
+Streams are named where the script knows them: ``main`` (the caller's),
+``capture`` (``compile_step``'s capture stream), ``side N`` (erase's side
+streams), ``update N`` (the early optimizer's update streams), else by
+number. The pure parts (`pool_by_stream`, `high_water_marks`) take a
+snapshot dict and have CPU tests; the run needs a GPU.
+
+Example (the H200's figures are in ``bench/results``)::
+
+    python -m bench.memory_profile --configs gpt:16:384:256:8 \\
+        --variants inductor+step,erase+step,erase+step/streams=0 --top 6
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import linecache
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+DEFAULT_POOL = (0, 0)
+MIB = 2**20
+#: A frame whose file lies under one of these is the allocator's caller's machinery, not
+#: the code that asked for the memory.
+_MACHINERY = (os.sep + "torch" + os.sep, os.sep + "bench" + os.sep + "memory_profile.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """One allocation alive at a stream's high-water mark."""
+
+    size: int
+    made_by: str  # the first frame outside torch: "file:line: source text"
+    under: str  # the innermost erase_fx function on the stack ("" if none)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamMemory:
+    """One stream's share of the graph pools: held, its high-water mark, what was alive then."""
+
+    stream: int
+    pool_bytes: int
+    peak_bytes: int
+    at_peak: tuple[Allocation, ...]
+
+
+def _in_graph_pool(segment: Mapping[str, Any]) -> bool:
+    return tuple(segment.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL
+
+
+def pool_by_stream(snapshot: Mapping[str, Any]) -> dict[int, int]:
+    """Bytes of CUDA graph pool segments, by the stream each segment serves."""
+    held: dict[int, int] = {}
+    for segment in snapshot["segments"]:
+        if _in_graph_pool(segment):
+            held[segment["stream"]] = held.get(segment["stream"], 0) + segment["total_size"]
+    return held
+
+
+def _pool_ranges(snapshot: Mapping[str, Any]) -> list[tuple[int, int]]:
+    return sorted((s["address"], s["address"] + s["total_size"])
+                  for s in snapshot["segments"] if _in_graph_pool(s))
+
+
+def _inside(ranges: Sequence[tuple[int, int]], address: int) -> bool:
+    return any(start <= address < end for start, end in ranges)
+
+
+def describe_frames(frames: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
+    """``(made_by, under)`` of an allocation's Python stack (innermost frame first)."""
+    frames = list(frames)
+    made_by, under = "?", ""
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if any(part in filename for part in _MACHINERY):
+            continue
+        source = linecache.getline(filename, frame.get("line", 0)).strip()
+        made_by = f"{os.path.basename(filename)}:{frame.get('line')}: {source[:110]}"
+        break
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if os.sep + "erase_fx" + os.sep in filename:
+            under = f"erase_fx/{filename.split(os.sep + 'erase_fx' + os.sep)[-1]}:{frame['name']}"
+            break
+    return made_by, under
+
+
+def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
+                     describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str]]
+                     = describe_frames) -> list[StreamMemory]:
+    """Per stream with graph pool memory: what it holds, its high-water mark during capture
+    and the ``top`` largest allocations alive then (largest pool first).
+
+    The allocator's trace (``device_traces``) is replayed for the allocations
+    inside graph pool segments, from the first of those segments' creation:
+    ``alloc`` adds a block to its stream's live set, ``free_completed``
+    takes it away (under capture a free completes when the block may be
+    reused by its stream).
+    """
+    ranges = _pool_ranges(snapshot)
+    starts = {start for start, _ in ranges}
+    pools = pool_by_stream(snapshot)
+    live: dict[int, dict[int, Mapping[str, Any]]] = {}
+    live_bytes: dict[int, int] = {}
+    peaks: dict[int, tuple[int, list[Mapping[str, Any]]]] = {}
+    for trace in snapshot.get("device_traces", []):
+        # NB: an address a graph pool holds now may have served the default pool before
+        # (a segment given back and mapped again): only what follows the graph pools'
+        # first segment counts.
+        first = next((k for k, e in enumerate(trace)
+                      if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
+        for entry in trace[first:] if first is not None else ():
+            action, address = entry.get("action"), entry.get("addr", -1)
+            if action not in ("alloc", "free_completed") or not _inside(ranges, address):
+                continue
+            stream = entry["stream"]
+            blocks = live.setdefault(stream, {})
+            if action == "alloc":
+                blocks[address] = entry
+                live_bytes[stream] = live_bytes.get(stream, 0) + entry["size"]
+                if live_bytes[stream] > peaks.get(stream, (0, []))[0]:
+                    peaks[stream] = (live_bytes[stream], list(blocks.values()))
+            elif address in blocks:
+                live_bytes[stream] -= blocks.pop(address)["size"]
+    report = []
+    for stream in sorted(set(pools) | set(peaks), key=lambda s: -pools.get(s, 0)):
+        peak, alive = peaks.get(stream, (0, []))
+        largest = sorted(alive, key=lambda e: -e["size"])[:top]
+        at_peak = tuple(Allocation(e["size"], *describe(e.get("frames", ()))) for e in largest)
+        report.append(StreamMemory(stream, pools.get(stream, 0), peak, at_peak))
+    return report
+
+
+def stream_names(program: Any = None) -> dict[int, str]:
+    """Names of the streams this process knows: the caller's, the capture's, erase's."""
+    from erase_fx.emit import streams
+
+    names = {torch.cuda.current_stream().cuda_stream: "main"}
+    index = torch.cuda.current_device()
+    for label, pool in (("side", streams._pool), ("update", streams._update_pool),
+                        ("comm", streams._comm_pool)):
+        for k, stream in enumerate(pool.get(index, []), start=1):
+            names[stream.cuda_stream] = f"{label} {k}"
+    capture = getattr(program, "_side", None)
+    if capture is not None:
+        names[capture.cuda_stream] = "capture"
+    return names
+
+
+def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int, str]) -> str:
+    total = sum(s.pool_bytes for s in report)
+    lines = [f"## {title}: graph pools {total / MIB:.0f} MiB",
+             "", "| stream | pool MiB | high-water MiB | largest alive then |", "|---|---|---|---|"]
+    for s in report:
+        largest = "; ".join(f"{a.size / MIB:.1f}" for a in s.at_peak[:6])
+        lines.append(f"| {names.get(s.stream, s.stream)} | {s.pool_bytes / MIB:.0f} "
+                     f"| {s.peak_bytes / MIB:.0f} | {largest} |")
+    for s in report:
+        if not s.at_peak:
+            continue
+        lines += ["", f"{names.get(s.stream, s.stream)} at its high-water mark:"]
+        lines += [f"- {a.size / MIB:.1f} MiB {a.made_by}" + (f" (under {a.under})" if a.under else "")
+                  for a in s.at_peak]
+    return "\n".join(lines)
+
+
+def profile_variant(cfg_text: str, variant: str, top: int) -> tuple[str, dict]:
+    """Build one variant's step with the allocator's history on; its report, as text and data."""
+    from bench.harness import WARMUP_STEPS, build_step, set_tf32
+    from bench.models import build_config, parse_config
+
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model, inputs = build_config(parse_config(cfg_text), torch.device("cuda"))
+    set_tf32(True)
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        built = build_step(variant, model, inputs)
+        for _ in range(WARMUP_STEPS):
+            built.step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    names = stream_names(built.program)
+    report = high_water_marks(snapshot, top=top)
+    text = format_report(f"{cfg_text} {variant}", report, names)
+    data = {"config": cfg_text, "variant": variant,
+            "capture": built.capture_info(),
+            "streams": [{"stream": names.get(s.stream, str(s.stream)), "pool_bytes": s.pool_bytes,
+                         "peak_bytes": s.peak_bytes,
+                         "at_peak": [dataclasses.asdict(a) for a in s.at_peak]}
+                        for s in report]}
+    del built, model, inputs, snapshot
+    return text, data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="gpt:16:384:256:8")
+    parser.add_argument("--variants", default="inductor+step,erase+step")
+    parser.add_argument("--top", type=int, default=8,
+                        help="allocations listed per stream at its high-water mark")
+    parser.add_argument("--out", help="write the reports here as JSON too")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.memory_profile needs a CUDA device", file=sys.stderr)
+        return 2
+    results = []
+    for cfg_text in args.configs.split(","):
+        for variant in args.variants.split(","):
+            print(f"{cfg_text} {variant} ...", flush=True)
+            try:
+                text, data = profile_variant(cfg_text, variant, args.top)
+            except Exception as error:  # one variant's failure is reported, the run goes on
+                text, data = f"## {cfg_text} {variant}: failed: {error!r}", {
+                    "config": cfg_text, "variant": variant, "error": repr(error)}
+            print(text + "\n", flush=True)
+            results.append(data)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

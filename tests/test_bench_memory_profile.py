@@ -1,0 +1,83 @@
+"""bench.memory_profile's reading of an allocator snapshot (pure: synthetic snapshots, CPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import memory_profile
+from bench.memory_profile import Allocation, describe_frames, high_water_marks, pool_by_stream
+
+MAIN, SIDE = 11, 22
+POOL = (1, 0)
+
+
+def _segment(address, size, stream, pool=POOL):
+    return {"address": address, "total_size": size, "stream": stream, "segment_pool_id": pool}
+
+
+def _snapshot(trace):
+    return {
+        "segments": [
+            _segment(0, 1000, MAIN),
+            _segment(1000, 600, SIDE),
+            _segment(5000, 4000, MAIN, pool=(0, 0)),  # the default pool: not a graph's
+        ],
+        "device_traces": [trace],
+    }
+
+
+def _alloc(addr, size, stream, name="buf"):
+    return {"action": "alloc", "addr": addr, "size": size, "stream": stream,
+            "frames": [{"filename": "/tmp/gen.py", "line": 1, "name": name}]}
+
+
+def _free(addr, size, stream):
+    return {"action": "free_completed", "addr": addr, "size": size, "stream": stream}
+
+
+def test_pool_by_stream_counts_graph_pool_segments_only():
+    assert pool_by_stream(_snapshot([])) == {MAIN: 1000, SIDE: 600}
+
+
+def test_high_water_mark_is_the_most_alive_at_once_per_stream():
+    trace = [
+        _alloc(1000, 100, SIDE),  # before the graph pools' first segment: not counted
+        {"action": "segment_alloc", "addr": 0, "size": 1000, "stream": MAIN},
+        _alloc(0, 300, MAIN), _alloc(300, 200, MAIN), _free(0, 300, MAIN),
+        _alloc(500, 100, MAIN),  # 300 alive, below the 500 of before
+        {"action": "segment_alloc", "addr": 1000, "size": 600, "stream": SIDE},
+        _alloc(1000, 400, SIDE), _free(1000, 400, SIDE), _alloc(1000, 250, SIDE),
+        _alloc(6000, 3000, MAIN),  # default pool: not counted
+    ]
+    report = {s.stream: s for s in high_water_marks(_snapshot(trace), top=1,
+                                                    describe=lambda frames: ("made", ""))}
+    assert report[MAIN].pool_bytes == 1000 and report[MAIN].peak_bytes == 500
+    assert report[MAIN].at_peak == (Allocation(300, "made", ""),)  # the largest, top=1
+    assert report[SIDE].pool_bytes == 600 and report[SIDE].peak_bytes == 400
+    assert [s.stream for s in high_water_marks(_snapshot(trace))] == [MAIN, SIDE]  # largest first
+
+
+def test_describe_frames_skips_torch_and_names_the_erase_function(tmp_path):
+    generated = tmp_path / "cabc.py"
+    generated.write_text("x = 1\nbuf3 = empty_strided_cuda((16, 8192), (8192, 1), torch.float32)\n")
+    torch_file = os.sep.join(["", "site-packages", "torch", "_inductor", "runtime.py"])
+    erase_file = os.sep.join(["", "repo", "erase_fx", "emit", "program.py"])
+    frames = [{"filename": torch_file, "line": 3, "name": "alloc"},
+              {"filename": str(generated), "line": 2, "name": "call"},
+              {"filename": erase_file, "line": 40, "name": "run_segment"}]
+    made_by, under = describe_frames(frames)
+    assert made_by == "cabc.py:2: buf3 = empty_strided_cuda((16, 8192), (8192, 1), torch.float32)"
+    assert under == "erase_fx/emit/program.py:run_segment"
+    assert describe_frames([]) == ("?", "")
+
+
+def test_main_without_cuda_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(memory_profile.torch.cuda, "is_available", lambda: False)
+    assert memory_profile.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("report", [[]])
+def test_format_report_of_nothing(report):
+    assert memory_profile.format_report("x", report, {}).startswith("## x: graph pools 0 MiB")
