@@ -479,27 +479,43 @@ def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32
             return loss.detach()
 
         step = erase_fx.compile_step(train_step, warmup=WARMUP, early_optimizer=early)
+        first_grads = None
         for x, y in batches:
             step(x, y)
+            if first_grads is None:
+                # NB: the first step's gradients come from the initial parameters whether
+                # updates run early or not: they differ only if the compiled kernels do
+                first_grads = [(name, p.grad.detach().clone())
+                               for name, p in model.named_parameters() if p.grad is not None]
         torch.cuda.synchronize()
-        return snapshot([model], [opt]), step
+        return snapshot([model], [opt]), step, first_grads
 
     deterministic = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        want, late = run(early=False)
-        got, step = run(early=True)
+        want, late, want_grads = run(early=False)
+        got, step, got_grads = run(early=True)
+        differ = exact(want, got)
+        detail = (f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
+                  f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
+                  f"not early: {step.early_refused}; {counts(step)}")
+        if differ:
+            # NB: diagnosis. The first step's gradients precede any update; a baseline that
+            # differs from itself makes the comparison say nothing; a race varies between
+            # two early runs, a wrong order or value does not.
+            again, *_ = run(early=False)
+            early_again, *_ = run(early=True)
+            detail += (f"; first step's gradients: {len(exact(want_grads, got_grads))} of "
+                       f"{len(want_grads)} differ (largest: {largest(want_grads, got_grads)}); "
+                       f"baseline run twice: {len(exact(want, again))} differ; early run "
+                       f"twice: {len(exact(got, early_again))} differ")
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic
-    differ = exact(want, got)
     copied = {why: n for why, n in step.early_refused.items() if "copied" in why}
     report.check(f"early optimizer on {config}: compile_step(erase, inductor), {len(batches)} "
                  "steps, against the same without early updates",
                  not differ and step.early_updated > 0 and not copied
-                 and late.early_updated == 0,
-                 f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
-                 f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
-                 f"not early: {step.early_refused}; {counts(step)}")
+                 and late.early_updated == 0, detail)
 
 
 def check_eager_timing(report, device, timings):

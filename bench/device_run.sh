@@ -74,6 +74,8 @@
 #                                      gpt:16:384:256:8 at 4, 2 and 0 side streams and stock,
 #                                      ctr:16384 at 4 and 0 and stock; whether Inductor has user
 #                                      streams; then the early optimizer's conv check (~9 min)
+#   bash bench/device_run.sh memprof-b gpt:16 with streams=0 profiled, its generated code kept; the
+#                                      early optimizer's conv check with its diagnosis (~5 min)
 #   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
 #                                      graph memory nodes: memory a side stream frees is reused by
 #                                      whatever the graph orders after it, on any stream) against
@@ -177,7 +179,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a) ;;
+  memprof-a|memprof-b) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -337,6 +339,14 @@ print('torch', torch.__version__, 'inductor stream_utils:',
       '_populate_stream_assignments:', hasattr(s.Scheduler, '_populate_stream_assignments'))" \
       | tee "$OUT/inductor-streams.txt"
     timeout 100 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
+  memprof-b)
+    # why streams=0 holds a logits-sized buffer per block at its high-water mark (the generated
+    # code kept), then the early optimizer's conv check with its diagnosis
+    timeout 150 python3 -m bench.memory_profile --top 12 --out "$OUT/memprof-b-gpt.json" \
+      --keep-code "$OUT/code" --configs gpt:16:384:256:8 --variants erase+step/streams=0 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-b-gpt.md" || true
+    timeout 300 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
   early-e)
     timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \

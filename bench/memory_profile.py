@@ -33,6 +33,7 @@ import gc
 import json
 import linecache
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ class Allocation:
     size: int
     made_by: str  # the first frame outside torch: "file:line: source text"
     under: str  # the innermost erase_fx function on the stack ("" if none)
+    source: str = ""  # the path of the file ``made_by`` names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,27 +89,28 @@ def _inside(ranges: Sequence[tuple[int, int]], address: int) -> bool:
     return any(start <= address < end for start, end in ranges)
 
 
-def describe_frames(frames: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
-    """``(made_by, under)`` of an allocation's Python stack (innermost frame first)."""
+def describe_frames(frames: Iterable[Mapping[str, Any]]) -> tuple[str, str, str]:
+    """``(made_by, under, source)`` of an allocation's Python stack (innermost frame first)."""
     frames = list(frames)
-    made_by, under = "?", ""
+    made_by, under, source_file = "?", "", ""
     for frame in frames:
         filename = frame.get("filename", "")
         if any(part in filename for part in _MACHINERY):
             continue
         source = linecache.getline(filename, frame.get("line", 0)).strip()
         made_by = f"{os.path.basename(filename)}:{frame.get('line')}: {source[:110]}"
+        source_file = filename
         break
     for frame in frames:
         filename = frame.get("filename", "")
         if os.sep + "erase_fx" + os.sep in filename:
             under = f"erase_fx/{filename.split(os.sep + 'erase_fx' + os.sep)[-1]}:{frame['name']}"
             break
-    return made_by, under
+    return made_by, under, source_file
 
 
 def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
-                     describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str]]
+                     describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str, str]]
                      = describe_frames) -> list[StreamMemory]:
     """Per stream with graph pool memory: what it holds, its high-water mark during capture
     and the ``top`` largest allocations alive then (largest pool first).
@@ -185,7 +188,13 @@ def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int
     return "\n".join(lines)
 
 
-def profile_variant(cfg_text: str, variant: str, top: int) -> tuple[str, dict]:
+def generated_files(report: Sequence[StreamMemory]) -> set[str]:
+    """The generated (Inductor) source files the listed allocations were made in."""
+    return {a.source for s in report for a in s.at_peak if a.source}
+
+
+def profile_variant(cfg_text: str, variant: str, top: int,
+                    keep_code: str | None = None) -> tuple[str, dict]:
     """Build one variant's step with the allocator's history on; its report, as text and data."""
     from bench.harness import WARMUP_STEPS, build_step, set_tf32
     from bench.models import build_config, parse_config
@@ -208,6 +217,10 @@ def profile_variant(cfg_text: str, variant: str, top: int) -> tuple[str, dict]:
     names = stream_names(built.program)
     report = high_water_marks(snapshot, top=top)
     text = format_report(f"{cfg_text} {variant}", report, names)
+    if keep_code:
+        os.makedirs(keep_code, exist_ok=True)
+        for path in generated_files(report):
+            shutil.copy(path, keep_code)
     data = {"config": cfg_text, "variant": variant,
             "capture": built.capture_info(),
             "streams": [{"stream": names.get(s.stream, str(s.stream)), "pool_bytes": s.pool_bytes,
@@ -225,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8,
                         help="allocations listed per stream at its high-water mark")
     parser.add_argument("--out", help="write the reports here as JSON too")
+    parser.add_argument("--keep-code", metavar="DIR",
+                        help="copy the generated files the listed allocations were made in here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.memory_profile needs a CUDA device", file=sys.stderr)
@@ -234,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for variant in args.variants.split(","):
             print(f"{cfg_text} {variant} ...", flush=True)
             try:
-                text, data = profile_variant(cfg_text, variant, args.top)
+                text, data = profile_variant(cfg_text, variant, args.top, args.keep_code)
             except Exception as error:  # one variant's failure is reported, the run goes on
                 text, data = f"## {cfg_text} {variant}: failed: {error!r}", {
                     "config": cfg_text, "variant": variant, "error": repr(error)}

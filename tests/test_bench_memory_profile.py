@@ -51,9 +51,10 @@ def test_high_water_mark_is_the_most_alive_at_once_per_stream():
         _alloc(6000, 3000, MAIN),  # default pool: not counted
     ]
     report = {s.stream: s for s in high_water_marks(_snapshot(trace), top=1,
-                                                    describe=lambda frames: ("made", ""))}
+                                                    describe=lambda frames: ("made", "", "/tmp/gen.py"))}
     assert report[MAIN].pool_bytes == 1000 and report[MAIN].peak_bytes == 500
-    assert report[MAIN].at_peak == (Allocation(300, "made", ""),)  # the largest, top=1
+    assert report[MAIN].at_peak == (Allocation(300, "made", "", "/tmp/gen.py"),)  # largest
+    assert memory_profile.generated_files(list(report.values())) == {"/tmp/gen.py"}
     assert report[SIDE].pool_bytes == 600 and report[SIDE].peak_bytes == 400
     assert [s.stream for s in high_water_marks(_snapshot(trace))] == [MAIN, SIDE]  # largest first
 
@@ -66,10 +67,10 @@ def test_describe_frames_skips_torch_and_names_the_erase_function(tmp_path):
     frames = [{"filename": torch_file, "line": 3, "name": "alloc"},
               {"filename": str(generated), "line": 2, "name": "call"},
               {"filename": erase_file, "line": 40, "name": "run_segment"}]
-    made_by, under = describe_frames(frames)
+    made_by, under, source = describe_frames(frames)
     assert made_by == "cabc.py:2: buf3 = empty_strided_cuda((16, 8192), (8192, 1), torch.float32)"
-    assert under == "erase_fx/emit/program.py:run_segment"
-    assert describe_frames([]) == ("?", "")
+    assert under == "erase_fx/emit/program.py:run_segment" and source == str(generated)
+    assert describe_frames([]) == ("?", "", "")
 
 
 def test_main_without_cuda_says_so(monkeypatch, capsys):
