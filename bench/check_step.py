@@ -37,7 +37,12 @@ gradient accumulation over two micro-batches, one optimizer per model,
    32x32, deterministic cuDNN), where Inductor works channels-last: every
    planned parameter updated early (none refused because autograd copied a
    gradient of another layout), bitwise equal to the step without early
-   updates.
+   updates; where it differs, the first step's gradients and each variant
+   run twice say why;
+10. ``determinism-conv`` (torchvision, not in the default list): stock
+   Inductor, erase on one stream, erase, and erase with early updates, each
+   trained twice on DGL ResNet-18 in deterministic mode: bitwise equal (a
+   race between streams varies from run to run).
 """
 from __future__ import annotations
 
@@ -451,34 +456,45 @@ def check_early_optimizer(report, device, steps):
                  not differ and step.early_updated > 0 and late.early_updated == 0, detail)
 
 
-def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32:32"):
+def conv_batches(config, device, steps):
+    """``(base model, batches)`` of a torchvision config, or None where torchvision is absent."""
     from bench.models import build_config, parse_config
 
-    cfg = parse_config(config)
     try:
-        base, (images, labels) = build_config(cfg, device, torch.Generator(device).manual_seed(0))
-    except ImportError as error:
-        report.check(f"early optimizer on {config}", False, f"needs torchvision: {error}")
-        return
+        base, (images, labels) = build_config(parse_config(config), device,
+                                              torch.Generator(device).manual_seed(0))
+    except ImportError:
+        return None
     generator = torch.Generator(device).manual_seed(9)
     batches = [(torch.randn(images.shape, device=device, generator=generator),
                 torch.randint(0, int(labels.max()) + 1, labels.shape, device=device,
                               generator=generator)) for _ in range(steps * 5)]
+    return base, batches
 
-    def run(early):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
-        compiled = torch.compile(model, backend="erase", options={"on_error": "raise"})
 
-        def train_step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = compiled(x, y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
+def train_conv(base, batches, backend="erase", options=None, **step_options):
+    """A fresh copy of ``base`` trained over ``batches`` with Adam in `compile_step`,
+    deterministic cuDNN: (snapshot, step, the first step's gradients)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    if backend == "erase":
+        compiled = torch.compile(model, backend="erase",
+                                 options={"on_error": "raise", **(options or {})})
+    else:
+        compiled = torch.compile(model)
 
-        step = erase_fx.compile_step(train_step, warmup=WARMUP, early_optimizer=early)
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        step = erase_fx.compile_step(train_step, warmup=WARMUP, **step_options)
         first_grads = None
         for x, y in batches:
             step(x, y)
@@ -488,34 +504,66 @@ def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32
                 first_grads = [(name, p.grad.detach().clone())
                                for name, p in model.named_parameters() if p.grad is not None]
         torch.cuda.synchronize()
-        return snapshot([model], [opt]), step, first_grads
-
-    deterministic = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        want, late, want_grads = run(early=False)
-        got, step, got_grads = run(early=True)
-        differ = exact(want, got)
-        detail = (f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
-                  f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
-                  f"not early: {step.early_refused}; {counts(step)}")
-        if differ:
-            # NB: diagnosis. The first step's gradients precede any update; a baseline that
-            # differs from itself makes the comparison say nothing; a race varies between
-            # two early runs, a wrong order or value does not.
-            again, *_ = run(early=False)
-            early_again, *_ = run(early=True)
-            detail += (f"; first step's gradients: {len(exact(want_grads, got_grads))} of "
-                       f"{len(want_grads)} differ (largest: {largest(want_grads, got_grads)}); "
-                       f"baseline run twice: {len(exact(want, again))} differ; early run "
-                       f"twice: {len(exact(got, early_again))} differ")
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+    return snapshot([model], [opt]), step, first_grads
+
+
+def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32:32"):
+    loaded = conv_batches(config, device, steps)
+    if loaded is None:
+        report.check(f"early optimizer on {config}", False, "needs torchvision")
+        return
+    base, batches = loaded
+    want, late, want_grads = train_conv(base, batches, early_optimizer=False)
+    got, step, got_grads = train_conv(base, batches, early_optimizer=True)
+    differ = exact(want, got)
+    detail = (f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
+              f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
+              f"not early: {step.early_refused}; {counts(step)}")
+    if differ:
+        # NB: diagnosis. The first step's gradients precede any update; a baseline that
+        # differs from itself makes the comparison say nothing; a race varies between
+        # two early runs, a wrong order or value does not.
+        again, *_ = train_conv(base, batches, early_optimizer=False)
+        early_again, *_ = train_conv(base, batches, early_optimizer=True)
+        detail += (f"; first step's gradients: {len(exact(want_grads, got_grads))} of "
+                   f"{len(want_grads)} differ (largest: {largest(want_grads, got_grads)}); "
+                   f"baseline run twice: {len(exact(want, again))} differ; early run "
+                   f"twice: {len(exact(got, early_again))} differ")
     copied = {why: n for why, n in step.early_refused.items() if "copied" in why}
     report.check(f"early optimizer on {config}: compile_step(erase, inductor), {len(batches)} "
                  "steps, against the same without early updates",
                  not differ and step.early_updated > 0 and not copied
                  and late.early_updated == 0, detail)
+
+
+#: ``determinism-conv``'s variants: (label, backend, erase options, compile_step options).
+DETERMINISM_VARIANTS = (
+    ("stock Inductor", "inductor", None, {}),
+    ("erase, one stream", "erase", {"overlap": False}, {}),
+    ("erase", "erase", None, {}),
+    ("erase, early optimizer", "erase", None, {"early_optimizer": True}),
+)
+
+
+def check_determinism_conv(report, device, steps, config="tv-resnet18-dgl:32:32"):
+    """Each variant trained twice in deterministic mode must give the same bits: a race
+    (a stream reading memory another still writes) varies from run to run."""
+    loaded = conv_batches(config, device, steps)
+    if loaded is None:
+        report.check(f"determinism on {config}", False, "needs torchvision")
+        return
+    base, batches = loaded
+    for label, backend, options, step_options in DETERMINISM_VARIANTS:
+        first, step, first_grads = train_conv(base, batches, backend, options, **step_options)
+        second, _, second_grads = train_conv(base, batches, backend, options, **step_options)
+        differ = exact(first, second)
+        report.check(f"{label} on {config}, compile_step, {len(batches)} steps, run twice: "
+                     "bitwise equal", not differ,
+                     f"{len(differ)} of {len(first)} tensors differ {differ[:3]} (largest: "
+                     f"{largest(first, second)}); first step's gradients: "
+                     f"{len(exact(first_grads, second_grads))} differ; {counts(step)}")
 
 
 def check_eager_timing(report, device, timings):
@@ -528,7 +576,7 @@ def check_eager_timing(report, device, timings):
 
 CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing", "early-optimizer")
 #: Checks run only when asked for (``--checks``): they need torchvision.
-EXTRA_CHECKS = ("early-optimizer-conv",)
+EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv")
 
 
 def main(argv=None) -> int:
@@ -560,6 +608,7 @@ def main(argv=None) -> int:
         "timing": lambda: check_eager_timing(report, device, timings),
         "early-optimizer": lambda: check_early_optimizer(report, device, args.steps),
         "early-optimizer-conv": lambda: check_early_optimizer_conv(report, device, args.steps),
+        "determinism-conv": lambda: check_determinism_conv(report, device, args.steps),
     }
     for name in chosen:
         check = runs[name]

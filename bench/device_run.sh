@@ -76,6 +76,10 @@
 #                                      streams; then the early optimizer's conv check (~9 min)
 #   bash bench/device_run.sh memprof-b gpt:16 with streams=0 profiled, its generated code kept; the
 #                                      early optimizer's conv check with its diagnosis (~5 min)
+#   bash bench/device_run.sh determinism-a  stock, erase one-stream, erase and erase with early updates,
+#                                      each trained twice on DGL ResNet-18 (deterministic mode:
+#                                      equal bits expected), then gpt:16 streams=0 against
+#                                      segments on one stream (~9 min)
 #   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
 #                                      graph memory nodes: memory a side stream frees is reused by
 #                                      whatever the graph orders after it, on any stream) against
@@ -179,7 +183,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b) ;;
+  memprof-a|memprof-b|determinism-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -348,6 +352,17 @@ print('torch', torch.__version__, 'inductor stream_utils:',
       | grep -v '^erase_fx: graph' | tee "$OUT/memprof-b-gpt.md" || true
     timeout 300 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
+  determinism-a)
+    # is erase+step deterministic on a conv net (the early-optimizer check's baseline varied),
+    # then streams=0 against segments on one stream on gpt:16 (memory and time)
+    timeout 330 python3 -m bench.check_step --checks determinism-conv --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-conv.log" || true
+    python3 -c "import importlib.util as u
+print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_dependencies') is not None)"
+    timeout 230 python3 -m bench.run --budget-s 190 --out "$OUT/determinism-a.json" --streams '' \
+      --configs gpt:16:384:256:8 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   early-e)
     timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
