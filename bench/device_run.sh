@@ -80,6 +80,9 @@
 #                                      each trained twice on DGL ResNet-18 (deterministic mode:
 #                                      equal bits expected), then gpt:16 streams=0 against
 #                                      segments on one stream (~9 min)
+#   bash bench/device_run.sh onestream-a  the early optimizer's conv check (a throwaway compile first),
+#                                      then segments on the main stream against streams=0 and
+#                                      stock on gpt:8, ctr:16384, mlp:512, ctr:1024 (~9 min)
 #   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
 #                                      graph memory nodes: memory a side stream frees is reused by
 #                                      whatever the graph orders after it, on any stream) against
@@ -183,7 +186,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|determinism-a) ;;
+  memprof-a|memprof-b|determinism-a|onestream-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -361,6 +364,16 @@ print('torch', torch.__version__, 'inductor stream_utils:',
 print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_dependencies') is not None)"
     timeout 230 python3 -m bench.run --budget-s 190 --out "$OUT/determinism-a.json" --streams '' \
       --configs gpt:16:384:256:8 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  onestream-a)
+    # the early optimizer's conv check after a throwaway first compile; then segments on the
+    # main stream (/one-stream) against streams=0 (one graph) and stock on the other configs
+    timeout 150 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" || true
+    timeout 420 python3 -m bench.run --budget-s 380 --out "$OUT/onestream-a.json" --streams '' \
+      --configs gpt:8:768:1024:6,ctr:16384:1024:2048:6,mlp:512:1024:2048:6,ctr:1024:512:1024:6 \
+      --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   early-e)
