@@ -38,9 +38,12 @@ class EraseConfig:
             early block's backward runs on the main stream where the schedule
             places it, and the forward compiles as one graph, so Inductor
             fuses across where the segment boundaries would be. No overlap;
-            the least memory: each block's activations are freed as soon as
-            its backward has run, under CUDA graph capture too (one stream
-            reuses its own memory). Under DDP it leaves the all-reduce of
+            each block's activations are freed as soon as its backward has
+            run, under CUDA graph capture too (one stream reuses its own
+            memory), but Inductor may fuse work of several blocks into one
+            late kernel and hold their values to it (the blocks' loss values
+            on the gpt chains: 0.73x of stock's step memory where
+            ``overlap=False`` needs 0.37x). Under DDP it leaves the all-reduce of
             every gradient to DDP's buckets (``early_allreduce`` needs the
             side streams' program).
         inner: the compiler of each segment and of the backward:
@@ -74,9 +77,13 @@ class EraseConfig:
             ``ERASE_FX_DUMP`` sets it too. ``None`` writes nothing.
         overlap: run each early block on its side stream (``True``, default),
             or every segment on the main stream (``False``): the same
-            segments and kernels in the same order, without overlap. The
-            control that says what the overlap alone is worth; no effect on
-            CPU, where streams are virtual anyway.
+            segments and kernels in the same order, without overlap. What
+            the overlap alone is worth, and the memory-first setting: each
+            block's values are freed once its backward has run and the next
+            block reuses the memory (H200, whole step captured: 0.37-0.45x of
+            stock's step memory on the gpt chains and ctr:16384 at 0.99-1.03x
+            of its time; `docs/performance.md`). No effect on CPU, where
+            streams are virtual anyway.
         release_lag: under CUDA graph capture (erase's own graphs, or a whole
             training step captured by `erase_fx.compile_step` or by hand),
             when the forward's memory is freed. ``None`` (default): nothing
