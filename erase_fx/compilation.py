@@ -58,6 +58,7 @@ from erase_fx.passes import (
     BoundaryRecomputes,
     InputValueCopies,
     PassResult,
+    module_given_to,
     run_passes,
     stock_partition,
 )
@@ -250,7 +251,7 @@ class GraphCompilation:
                                     "recompute_boundary_values": self._note_recomputes})
         segmented = results["split_segments"]
         # NB: the forward as split_segments cut it: the readers the stream program runs
-        self._plan_early_updates(list(results.values())[-2].gm)
+        self._plan_early_updates(module_given_to(results, "split_segments"))
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
         else:

@@ -62,6 +62,7 @@ from erase_fx.passes.pipeline import (
     JOINT_PASSES,
     Pass,
     PassContext,
+    module_given_to,
     run_pass,
     run_passes,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",
+    "module_given_to",
     "partition_joint_graph",
     "recompute_boundary_values",
     "run_pass",

@@ -126,6 +126,16 @@ def run_passes(
     return results
 
 
+def module_given_to(results: Mapping[str, PassResult], name: str) -> fx.GraphModule:
+    """The module pass ``name`` ran on, from `run_passes`' results: the one the pass before it
+    returned (the first pass's input is not among the results: asking for it raises)."""
+    names = list(results)
+    position = names.index(name)
+    if position == 0:
+        raise ValueError(f"{name} ran first: the module it was given is not in the results")
+    return results[names[position - 1]].gm
+
+
 def run_pass(entry: Pass, gm: fx.GraphModule, cfg: EraseConfig, *,
              results: Mapping[str, PassResult] | None = None, **given: Any) -> PassResult:
     """One pass, checked, outside a pipeline (tests, `erase_fx.early_grads`'s plan);

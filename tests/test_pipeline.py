@@ -14,6 +14,7 @@ from erase_fx.passes import (
     DumpFile,
     Pass,
     PassResult,
+    module_given_to,
     pipeline,
     run_passes,
 )
@@ -131,6 +132,11 @@ def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
     assert seen[4] == ("assign_streams", forward["copy_input_values_per_block"].gm)
     assert seen[5] == ("recompute_boundary_values", forward["assign_streams"].gm)
     assert seen[6] == ("split_segments", forward["recompute_boundary_values"].gm)
+    # what compilation reads back: the module a pass was given, by the pass's name
+    assert module_given_to(forward, "split_segments") is forward["recompute_boundary_values"].gm
+    assert module_given_to(joint, "partition_joint_graph") is joint["schedule_early_backward"].gm
+    with pytest.raises(ValueError, match="ran first"):
+        module_given_to(forward, "copy_input_values_per_block")
 
 
 CHECKS = [
