@@ -83,6 +83,10 @@
 #   bash bench/device_run.sh onestream-a  the early optimizer's conv check (a throwaway compile first),
 #                                      then segments on the main stream against streams=0 and
 #                                      stock on gpt:8, ctr:16384, mlp:512, ctr:1024 (~9 min)
+#   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
+#                                      side stream holds a block's logits and their gradient at
+#                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
+#                                      not yet run)
 #   bash bench/device_run.sh async-a   the cudaMallocAsync allocator backend (captured allocations are
 #                                      graph memory nodes: memory a side stream frees is reused by
 #                                      whatever the graph orders after it, on any stream) against
@@ -186,7 +190,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|determinism-a|onestream-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -375,6 +379,16 @@ print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_de
       --configs gpt:8:768:1024:6,ctr:16384:1024:2048:6,mlp:512:1024:2048:6,ctr:1024:512:1024:6 \
       --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  memprof-c)
+    # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
+    # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3
+    timeout 150 python3 -m bench.memory_profile --top 12 --out "$OUT/memprof-c-gpt.json" \
+      --keep-code "$OUT/code" --configs gpt:16:384:256:8 --variants erase+step 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-c-gpt.md" || true
+    timeout 420 python3 -m bench.run --budget-s 380 --out "$OUT/layout-b.json" --streams '' \
+      --configs tv-mobilenet-dgl:256:64 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/layouts-unpinned 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   early-e)
     timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
