@@ -483,14 +483,7 @@ def train_conv(base, batches, backend="erase", options=None, **step_options):
                                  options={"on_error": "raise", **(options or {})})
     else:
         compiled = torch.compile(model)
-
-    def train_step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = compiled(x, y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    train_step = make_step([opt], [compiled], micro=1)
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:

@@ -506,13 +506,13 @@ def held_bytes() -> int:
     """
     if allocator_backend() == "cudaMallocAsync":
         return torch.cuda.memory_allocated() + graph_memory_bytes()
-    held = 0
-    for segment in torch.cuda.memory_snapshot():
-        if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == DEFAULT_POOL:
-            held += segment["allocated_size"]
-        else:
-            held += segment["total_size"]
-    return held
+    return sum(segment["total_size"] if in_graph_pool(segment) else segment["allocated_size"]
+               for segment in torch.cuda.memory_snapshot())
+
+
+def in_graph_pool(segment: dict[str, Any]) -> bool:
+    """Whether a segment of the native allocator's snapshot belongs to a CUDA graph pool."""
+    return tuple(segment.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL
 
 
 def _cuda_driver_device():

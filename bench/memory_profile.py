@@ -28,10 +28,12 @@ Example (the H200's figures are in ``bench/results``)::
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import gc
 import json
 import linecache
+import math
 import os
 import shutil
 import sys
@@ -40,7 +42,8 @@ from typing import Any
 
 import torch
 
-DEFAULT_POOL = (0, 0)
+from bench.harness import in_graph_pool
+
 MIB = 2**20
 #: A frame whose file lies under one of these is the allocator's caller's machinery, not
 #: the code that asked for the memory.
@@ -67,26 +70,24 @@ class StreamMemory:
     at_peak: tuple[Allocation, ...]
 
 
-def _in_graph_pool(segment: Mapping[str, Any]) -> bool:
-    return tuple(segment.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL
-
-
 def pool_by_stream(snapshot: Mapping[str, Any]) -> dict[int, int]:
     """Bytes of CUDA graph pool segments, by the stream each segment serves."""
     held: dict[int, int] = {}
     for segment in snapshot["segments"]:
-        if _in_graph_pool(segment):
+        if in_graph_pool(segment):
             held[segment["stream"]] = held.get(segment["stream"], 0) + segment["total_size"]
     return held
 
 
 def _pool_ranges(snapshot: Mapping[str, Any]) -> list[tuple[int, int]]:
     return sorted((s["address"], s["address"] + s["total_size"])
-                  for s in snapshot["segments"] if _in_graph_pool(s))
+                  for s in snapshot["segments"] if in_graph_pool(s))
 
 
 def _inside(ranges: Sequence[tuple[int, int]], address: int) -> bool:
-    return any(start <= address < end for start, end in ranges)
+    """Whether ``address`` lies in one of ``ranges`` (sorted, disjoint ``[start, end)``)."""
+    k = bisect.bisect_right(ranges, (address, math.inf)) - 1
+    return k >= 0 and address < ranges[k][1]
 
 
 def describe_frames(frames: Iterable[Mapping[str, Any]]) -> tuple[str, str, str]:

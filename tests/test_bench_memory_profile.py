@@ -82,3 +82,9 @@ def test_main_without_cuda_says_so(monkeypatch, capsys):
 @pytest.mark.parametrize("report", [[]])
 def test_format_report_of_nothing(report):
     assert memory_profile.format_report("x", report, {}).startswith("## x: graph pools 0 MiB")
+
+
+def test_an_address_is_inside_a_pool_segment_from_its_start_to_before_its_end():
+    ranges = [(0, 10), (20, 30)]
+    inside = [a for a in (-1, 0, 9, 10, 15, 20, 29, 30) if memory_profile._inside(ranges, a)]
+    assert inside == [0, 9, 20, 29]
