@@ -51,10 +51,11 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
     and reads that saved tensor for nothing else (`defer_grad_scaling`'s rule),
     and when, in the forward, the saved tensor's memory is its own: made by an
     op that returns fresh memory, or a view chain of one, that nothing else
-    reads and that is returned once. Writing the reduced values into it then
-    changes nothing anyone else reads. Other early gradients (a part of a
-    gradient that a sum in the backward completes, a gradient sharing memory)
-    are left to DDP.
+    reads and that is returned once. Writing into it (the all-reduced values)
+    or handing it to the optimizer as ``.grad`` then touches nothing anyone
+    else reads. Other early gradients (a part of a gradient that a sum in the
+    backward completes, a gradient sharing memory) are reduced by DDP and
+    updated by the optimizer after the backward, as usual.
     """
     # NB: defer_grad_scaling reads no setting: the plan asks its rule, with the defaults
     deferred = run_pass(DEFER_GRAD_SCALING, bw, EraseConfig())
