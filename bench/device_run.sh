@@ -386,6 +386,10 @@ print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_de
     timeout 150 python3 -m bench.memory_profile --top 12 --out "$OUT/memprof-c-gpt.json" \
       --keep-code "$OUT/code" --configs gpt:16:384:256:8 --variants erase+step 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/memprof-c-gpt.md" || true
+    python3 -c "import torch, torch._inductor.config as c
+print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
+      for k in ('mix_order_reduction', 'nested_reduction', 'multi_kernel')})" \
+      | tee "$OUT/inductor-reductions.txt"
     timeout 420 python3 -m bench.run --budget-s 380 --out "$OUT/layout-b.json" --streams '' \
       --configs tv-mobilenet-dgl:256:64 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/layouts-unpinned 2>&1 \
