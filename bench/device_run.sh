@@ -83,6 +83,11 @@
 #   bash bench/device_run.sh onestream-a  the early optimizer's conv check (a throwaway compile first),
 #                                      then segments on the main stream against streams=0 and
 #                                      stock on gpt:8, ctr:16384, mlp:512, ctr:1024 (~9 min)
+#   bash bench/device_run.sh inplace-a side segments compiled with and without keep_inplace_writes:
+#                                      the torch's extension points, one CUDA kernel pair
+#                                      (bench.check_inplace_fusion), gpt:16's side-stream pools,
+#                                      then its time and step memory against stock (~8 min)
+#   bash bench/device_run.sh inplace-b the same A/B on gpt:8 and ctr:16384 (~9 min)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -190,7 +195,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -380,6 +385,27 @@ print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_de
       --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  inplace-a)
+    # keep_inplace_writes on side segments: this torch's extension points, one CUDA kernel pair,
+    # then gpt:16's side-stream pools and its time and memory, with and without it
+    python3 -c "import torch, torch.compiler.config as cc, inspect
+from torch._inductor.virtualized import V
+from torch._inductor.choices import InductorChoices as C
+print('torch', torch.__version__, 'set_choices_handler', hasattr(V, 'set_choices_handler'),
+      'cache_key_tag', hasattr(cc, 'cache_key_tag'), 'can_fuse', inspect.signature(C.can_fuse))" \
+      | tee "$OUT/inplace-a-facts.txt"
+    timeout 90 python3 -m bench.check_inplace_fusion 2>&1 | tee -a "$OUT/inplace-a-facts.txt" || true
+    timeout 200 python3 -m bench.memory_profile --top 6 --out "$OUT/inplace-a-gpt.json" \
+      --configs gpt:16:384:256:8 --variants erase+step,erase+step/stock-fusion 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/inplace-a-gpt.md" || true
+    timeout 300 python3 -m bench.run --budget-s 260 --out "$OUT/inplace-a.json" --streams '' \
+      --configs gpt:16:384:256:8 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/stock-fusion 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  inplace-b)
+    # after inplace-a: the same A/B where activations dominate (gpt:8, ctr:16384)
+    run inplace-b gpt:8:768:1024:6,ctr:16384:1024:2048:6 \
+      inductor+step,erase+step,erase+step/stock-fusion --sweep-configs '' --trials 5 --budget-s 480 ;;
   memprof-c)
     # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
     # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3

@@ -58,7 +58,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/layouts-unpinned`` (no option: for the row, erase_fx's
   ``inductor_segments.pin_early_outputs_to_fx_layout`` does nothing, so early
   gradients leave their segments in whatever layout Inductor derives there, as
-  before that function: what keeping eager's memory format costs or saves).
+  before that function: what keeping eager's memory format costs or saves);
+  ``/stock-fusion`` (no option: side-stream segments fused as Inductor
+  chooses, without ``inplace_fusion.keep_inplace_writes``: what keeping
+  large in-place writes possible saves in memory or costs in time).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -108,6 +111,8 @@ STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 PATCH_CONTROLS: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "layouts-unpinned": ("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
                          lambda segment, indices: []),
+    "stock-fusion": ("erase_fx.emit.inductor_segments", "keep_inplace_writes",
+                     contextlib.nullcontext),
 }
 CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS, *PATCH_CONTROLS)
 

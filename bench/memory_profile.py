@@ -197,7 +197,7 @@ def generated_files(report: Sequence[StreamMemory]) -> set[str]:
 def profile_variant(cfg_text: str, variant: str, top: int,
                     keep_code: str | None = None) -> tuple[str, dict]:
     """Build one variant's step with the allocator's history on; its report, as text and data."""
-    from bench.harness import WARMUP_STEPS, build_step, set_tf32
+    from bench.harness import WARMUP_STEPS, Variant, build_step, set_tf32
     from bench.models import build_config, parse_config
 
     torch._dynamo.reset()
@@ -208,10 +208,11 @@ def profile_variant(cfg_text: str, variant: str, top: int,
     set_tf32(True)
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     try:
-        built = build_step(variant, model, inputs)
-        for _ in range(WARMUP_STEPS):
-            built.step()
-        torch.cuda.synchronize()
+        with Variant.parse(variant).patched():
+            built = build_step(variant, model, inputs)
+            for _ in range(WARMUP_STEPS):
+                built.step()
+            torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -60,10 +60,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from erase_fx.emit.inplace_fusion import keep_inplace_writes
 from erase_fx.emit.inner import BoxedCallable, has_symbolic_shapes, mark_outputs_user_visible
 from erase_fx.emit.scale_grads import is_dense_layout
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes import SegmentedForward
+from erase_fx.passes import MAIN_STREAM, SegmentedForward
 from erase_fx.passes.graph import output_node, output_values
 from erase_fx.passes.node_meta import get_meta, is_early
 
@@ -120,7 +121,11 @@ def compile_inductor_segments(
             graph_id=inductor_kwargs.get("graph_id"),
             layout_opt=layout_opt,
         )
-        with TracingContext.report_output_strides() as reported:
+        # NB: a side stream's segment keeps Inductor's large in-place writes
+        # possible (`inplace_fusion`): its stream's pool is its own under capture.
+        side = segmented.segment(call.target).stream != MAIN_STREAM
+        fusion = keep_inplace_writes() if side else contextlib.nullcontext()
+        with fusion, TracingContext.report_output_strides() as reported:
             compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
         if not keep_fx_strides and not _dense(segment, reported, held):
             # NB: Inductor's FX graph cache keys a graph by its code, not by
@@ -128,7 +133,8 @@ def compile_inductor_segments(
             # with other outputs visible can come back with other strides.
             from torch._inductor import config as inductor_config
 
-            with inductor_config.patch(fx_graph_cache=False), \
+            fusion = keep_inplace_writes() if side else contextlib.nullcontext()
+            with fusion, inductor_config.patch(fx_graph_cache=False), \
                     TracingContext.report_output_strides() as reported:
                 compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
             if not _dense(segment, reported, held):

@@ -1,0 +1,77 @@
+"""What `keep_inplace_writes` does to one kernel group: ``python -m bench.check_inplace_fusion``.
+
+Compiles `softmax_head` (a matmul's output ``B``, softmax statistics over it,
+a same-size value made from ``B`` and the statistics, and a loss value that
+reads ``B`` at each row's target) with stock Inductor and inside
+`erase_fx.emit.inplace_fusion.keep_inplace_writes`, and prints for each the
+fusions refused, the kernel calls and the buffers written in place
+(``# reuse`` lines) of the generated code, and whether both compute the same.
+On a GPU the expected difference: stock writes the softmax into a buffer of
+its own, the kept form writes it over ``B``. Runs on CPU too (``--device
+cpu``), where Inductor's C++ kernels group the loops differently.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+
+def softmax_head(a: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
+    """``B = a @ w``; returns (softmax of B, loss value read from B at ``target``)."""
+    b = a @ w
+    m = b.amax(1, keepdim=True)
+    e = (b - m).exp()
+    s = e.sum(1, keepdim=True)
+    value = (m + s.log() - b.gather(1, target)).mean()
+    return e / s, value
+
+
+def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):
+    """(refused fusions or None, generated code, outputs equal eager's) of one compile."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from erase_fx.emit.inplace_fusion import keep_inplace_writes
+
+    torch._dynamo.reset()
+    generator = torch.Generator(device).manual_seed(0)
+    a = torch.randn(rows, 64, device=device, generator=generator)
+    w = torch.randn(64, cols, device=device, generator=generator)
+    target = torch.randint(0, cols, (rows, 1), device=device, generator=generator)
+    keeping = keep_inplace_writes(min_bytes=1 << 20) if keep else contextlib.nullcontext()
+    with keeping as handler, config.patch(fx_graph_cache=False):
+        got, code = run_and_get_code(torch.compile(softmax_head), a, w, target)
+    want = softmax_head(a, w, target)
+    same = all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got, want))
+    return getattr(handler, "refused", None), code[0], same
+
+
+def call_lines(code: str) -> list[str]:
+    """The kernel calls and in-place reuses of a generated module's ``call``."""
+    body = code[code.index("def call("):]
+    body = body[:body.index("\n    return ")] if "\n    return " in body else body
+    return [line.strip() for line in body.splitlines()
+            if "# reuse" in line or ".run(" in line or "extern_kernels." in line
+            or line.strip().startswith("cpp_fused")]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    ok = True
+    for keep in (False, True):
+        refused, code, same = compile_once(args.device, keep)
+        print(f"{'keep_inplace_writes' if keep else 'stock'} on {args.device}: refused {refused}, "
+              f"same as eager: {same}")
+        for line in call_lines(code):
+            print("   ", line)
+        ok &= same
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
