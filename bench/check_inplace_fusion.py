@@ -20,13 +20,13 @@ import torch
 
 
 def softmax_head(a: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
-    """``B = a @ w``; returns (softmax of B, loss value read from B at ``target``)."""
+    """``B = a @ w``; returns (softmax of B, loss value read from B at ``target``), as a
+    cross-entropy's forward and backward make them: from B and its log-sum-exp."""
     b = a @ w
     m = b.amax(1, keepdim=True)
-    e = (b - m).exp()
-    s = e.sum(1, keepdim=True)
-    value = (m + s.log() - b.gather(1, target)).mean()
-    return e / s, value
+    lse = m + (b - m).exp().sum(1, keepdim=True).log()
+    value = (lse - b.gather(1, target)).mean()
+    return (b - lse).exp(), value
 
 
 def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):

@@ -48,6 +48,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   rows measured before),
   ``/all-parts`` (``options={"min_part_share": 0.0}``: every gradient part
   early, however small: what the cost check on parts saves or loses),
+  ``/stock-fusion`` (``options={"keep_inplace_writes": False}``: side-stream
+  segments fused as Inductor chooses: what keeping large in-place writes
+  possible saves in memory or costs in time),
   several of these one after another (``/streams=2/stages-on-main``: each
   sets its own options; two that set the same option are an error),
   ``/aot_eager``
@@ -58,10 +61,7 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/layouts-unpinned`` (no option: for the row, erase_fx's
   ``inductor_segments.pin_early_outputs_to_fx_layout`` does nothing, so early
   gradients leave their segments in whatever layout Inductor derives there, as
-  before that function: what keeping eager's memory format costs or saves);
-  ``/stock-fusion`` (no option: side-stream segments fused as Inductor
-  chooses, without ``inplace_fusion.keep_inplace_writes``: what keeping
-  large in-place writes possible saves in memory or costs in time).
+  before that function: what keeping eager's memory format costs or saves).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -100,6 +100,7 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "recompute": {"recompute_boundary_values": True},
     "no-recompute": {"recompute_boundary_values": False},
     "all-parts": {"min_part_share": 0.0},
+    "stock-fusion": {"keep_inplace_writes": False},
     "aot_eager": {"inner": "aot_eager"},
 }
 #: Each named control of ``+step`` variants -> the ``compile_step`` options it sets.
@@ -111,8 +112,6 @@ STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 PATCH_CONTROLS: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "layouts-unpinned": ("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
                          lambda segment, indices: []),
-    "stock-fusion": ("erase_fx.emit.inductor_segments", "keep_inplace_writes",
-                     contextlib.nullcontext),
 }
 CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS, *PATCH_CONTROLS)
 

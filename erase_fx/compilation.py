@@ -253,7 +253,9 @@ class GraphCompilation:
         # NB: the forward as split_segments cut it: the readers the stream program runs
         self._plan_early_updates(module_given_to(results, "split_segments"))
         if self.cfg.inner == "inductor":
-            compiled = compile_inductor_segments(segmented, fw, example_inputs, inductor_kwargs)
+            compiled = compile_inductor_segments(
+                segmented, fw, example_inputs, inductor_kwargs,
+                keep_inplace_writes=self.cfg.keep_inplace_writes)
         else:
             compiled = {
                 segment.name: compile_segment(

@@ -145,6 +145,19 @@ class EraseConfig:
             within 1% of off; MobileNetV3 DGL 0.87x of stock against 0.85x
             off (2.6% slower) with 11% less memory. ``False``: read them
             across the boundary.
+        keep_inplace_writes: each side-stream segment is compiled so that
+            Inductor can write a large value (8 MiB or more) over the buffer
+            it is made from, where one of Inductor's fusions would prevent it
+            (`erase_fx.emit.inplace_fusion`): a local loss's logits and their
+            gradient then share one buffer. Under capture each side stream
+            keeps its own memory pool, as large as its segment's peak, so
+            this is memory saved on every side stream; it costs one more read
+            of each such buffer. ``True`` (default): measured on an H200
+            (step API against stock ``inductor+step``, ``python -m bench.run``,
+            2026-12-02, `bench/results/2026-12-02-f-NOTES.md`), on against
+            off: gpt:16:384:256:8 step memory 1.04x of stock (off: 1.29x), time
+            0.91x (0.89x). Segments without such a buffer (the small chains,
+            the conv nets) compile as before. ``False``: Inductor's own fusion.
         min_part_share: the cost check on gradient parts (an auxiliary head
             on a trunk it is not detached from, one tower of several over a
             shared front: `passes/split_at_sums.py`). Such a part runs early
@@ -189,6 +202,7 @@ class EraseConfig:
     copy_input_values: bool = True
     recompute_boundary_values: bool = True
     min_part_share: float = 0.05
+    keep_inplace_writes: bool = True
     early_allreduce: bool = True
     on_error: str = "fallback"
 
@@ -210,6 +224,7 @@ class EraseConfig:
         _check_type("early_allreduce", self.early_allreduce, bool)
         _check_type("copy_input_values", self.copy_input_values, bool)
         _check_type("recompute_boundary_values", self.recompute_boundary_values, bool)
+        _check_type("keep_inplace_writes", self.keep_inplace_writes, bool)
         if (isinstance(self.min_part_share, bool)
                 or not isinstance(self.min_part_share, (int, float))
                 or not 0 <= self.min_part_share <= 1):

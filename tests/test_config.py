@@ -42,6 +42,7 @@ def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
 @pytest.mark.parametrize("changes", [
     {"streams": -1}, {"streams": 1.5}, {"seed": float("inf")}, {"seed": "1"}, {"dump_dir": 3},
     {"cudagraphs": 1}, {"copy_input_values": 1}, {"recompute_boundary_values": 1},
+    {"keep_inplace_writes": "yes"},
     {"stages_on_side": "yes"},
     {"min_part_share": -0.01}, {"min_part_share": 1.5}, {"min_part_share": float("nan")},
     {"min_part_share": True}, {"min_part_share": "0.1"},

@@ -54,13 +54,14 @@ taken from the producer's own report, never guessed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.inplace_fusion import keep_inplace_writes
+from erase_fx.emit import inplace_fusion
 from erase_fx.emit.inner import BoxedCallable, has_symbolic_shapes, mark_outputs_user_visible
 from erase_fx.emit.scale_grads import is_dense_layout
 from erase_fx.errors import GraphInvariantError
@@ -69,6 +70,7 @@ from erase_fx.passes.graph import output_node, output_values
 from erase_fx.passes.node_meta import get_meta, is_early
 
 WHERE = "compile_inductor_segments"
+log = logging.getLogger("erase_fx")
 Stride = tuple[int, ...]
 
 
@@ -77,6 +79,7 @@ def compile_inductor_segments(
     whole: fx.GraphModule,
     example_inputs: Sequence[Any],
     inductor_kwargs: dict[str, Any],
+    keep_inplace_writes: bool = True,
 ) -> dict[str, BoxedCallable]:
     """Compile every segment of ``segmented`` with Inductor; see the module docstring.
 
@@ -87,6 +90,8 @@ def compile_inductor_segments(
         example_inputs: the forward's example inputs.
         inductor_kwargs: what ``compile_fx`` passed for the whole forward
             (``static_input_idxs``, ``graph_id``, ...).
+        keep_inplace_writes: compile side-stream segments inside
+            `inplace_fusion.keep_inplace_writes` (`EraseConfig.keep_inplace_writes`).
     """
     from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner
@@ -123,9 +128,8 @@ def compile_inductor_segments(
         )
         # NB: a side stream's segment keeps Inductor's large in-place writes
         # possible (`inplace_fusion`): its stream's pool is its own under capture.
-        side = segmented.segment(call.target).stream != MAIN_STREAM
-        fusion = keep_inplace_writes() if side else contextlib.nullcontext()
-        with fusion, TracingContext.report_output_strides() as reported:
+        keep = keep_inplace_writes and segmented.segment(call.target).stream != MAIN_STREAM
+        with _fusion(keep, call.target), TracingContext.report_output_strides() as reported:
             compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
         if not keep_fx_strides and not _dense(segment, reported, held):
             # NB: Inductor's FX graph cache keys a graph by its code, not by
@@ -133,8 +137,7 @@ def compile_inductor_segments(
             # with other outputs visible can come back with other strides.
             from torch._inductor import config as inductor_config
 
-            fusion = keep_inplace_writes() if side else contextlib.nullcontext()
-            with fusion, inductor_config.patch(fx_graph_cache=False), \
+            with _fusion(keep, call.target), inductor_config.patch(fx_graph_cache=False), \
                     TracingContext.report_output_strides() as reported:
                 compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
             if not _dense(segment, reported, held):
@@ -151,6 +154,18 @@ def compile_inductor_segments(
         context.output_strides.extend(
             strides.get(value) if isinstance(value, fx.Node) else None for value in results)
     return compiled
+
+
+@contextlib.contextmanager
+def _fusion(keep_inplace_writes: bool, segment: str) -> Iterator[None]:
+    if not keep_inplace_writes:
+        yield
+        return
+    with inplace_fusion.keep_inplace_writes() as handler:
+        yield
+    for refused in handler.refused:
+        log.debug("erase_fx: %s: a fusion refused, so that %s can write over %s (%.1f MiB)",
+                  segment, refused.writer, refused.buffer, refused.nbytes / 2**20)
 
 
 def keep_early_values_at_fx_strides(fw: fx.GraphModule) -> None:

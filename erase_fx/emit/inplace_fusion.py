@@ -114,16 +114,23 @@ def fusion_blocks_inplace_write(scheduler: Any, node1: Any, node2: Any,
     index only (`_inplace_possible`). Fusing blocks the write when it is possible
     with ``w``'s group as its kernel and not with the fused one: the other group
     reads ``B`` at another index, or a reader of ``B`` outside the pair needs the
-    other group's results, so it would have to run after the fused kernel.
+    other group's results, so it would have to run after the fused kernel. A
+    fusion with ``B``'s own maker is never counted (``B`` is no input there).
     """
-    for group in (node1, node2):
+    for group, other in ((node1, node2), (node2, node1)):
         for writer in group.get_nodes():
             for buffer, dep in _inplace_reads(scheduler, writer):
                 nbytes = _nbytes(buffer)
-                if (nbytes >= min_bytes and _inplace_possible(buffer, dep, (group,))
+                if (nbytes >= min_bytes and not _makes(other, buffer.get_name())
+                        and _inplace_possible(buffer, dep, (group,))
                         and not _inplace_possible(buffer, dep, (node1, node2))):
                     return RefusedFusion(buffer.get_name(), nbytes, writer.get_name())
     return None
+
+
+def _makes(group: Any, name: str) -> bool:
+    """Whether ``group`` writes buffer ``name`` (fused with its maker, a buffer is no input)."""
+    return any(dep.name == name for node in group.get_nodes() for dep in node.read_writes.writes)
 
 
 def _inplace_possible(buffer: Any, dep: Any, kernel: tuple[Any, ...]) -> bool:
