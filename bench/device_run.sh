@@ -88,6 +88,8 @@
 #                                      (bench.check_inplace_fusion), gpt:16's side-stream pools,
 #                                      then its time and step memory against stock (~8 min)
 #   bash bench/device_run.sh inplace-b the same A/B on gpt:8 and ctr:16384 (~9 min)
+#   bash bench/device_run.sh inplace-c the same A/B on DGL ResNet-18 and the DGL ViT, with the fusions
+#                                      refused listed (~8 min)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -195,7 +197,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -406,6 +408,15 @@ print('torch', torch.__version__, 'set_choices_handler', hasattr(V, 'set_choices
     # after inplace-a: the same A/B where activations dominate (gpt:8, ctr:16384)
     run inplace-b gpt:8:768:1024:6,ctr:16384:1024:2048:6 \
       inductor+step,erase+step,erase+step/stock-fusion --sweep-configs '' --trials 5 --budget-s 480 ;;
+  inplace-c)
+    # after inplace-b: keep_inplace_writes on the DGL conv net and ViT (which fusions it refuses
+    # there, from erase_fx's debug log; then time and step memory against /stock-fusion)
+    timeout 570 python3 -c "import logging, runpy, sys
+logging.getLogger('erase_fx').setLevel(logging.DEBUG)
+sys.argv = ['bench.run', '--budget-s', '450', '--out', '$OUT/inplace-c.json', '--streams', '',
+            '--configs', 'tv-resnet18-dgl:256:32,tv-vit-dgl:256:32', '--sweep-configs', '',
+            '--trials', '5', '--variants', 'inductor+step,erase+step,erase+step/stock-fusion']
+runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: graph' ;;
   memprof-c)
     # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
     # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3
