@@ -412,7 +412,9 @@ print('torch', torch.__version__, 'set_choices_handler', hasattr(V, 'set_choices
     # after inplace-b: keep_inplace_writes on the DGL conv net and ViT (which fusions it refuses
     # there, from erase_fx's debug log; then time and step memory against /stock-fusion)
     timeout 570 python3 -c "import logging, runpy, sys
-logging.getLogger('erase_fx').setLevel(logging.DEBUG)
+log = logging.getLogger('erase_fx'); log.setLevel(logging.DEBUG)
+handler = logging.StreamHandler(); handler.setLevel(logging.DEBUG)
+handler.addFilter(lambda record: 'fusion refused' in record.getMessage()); log.addHandler(handler)
 sys.argv = ['bench.run', '--budget-s', '450', '--out', '$OUT/inplace-c.json', '--streams', '',
             '--configs', 'tv-resnet18-dgl:256:32,tv-vit-dgl:256:32', '--sweep-configs', '',
             '--trials', '5', '--variants', 'inductor+step,erase+step,erase+step/stock-fusion']
