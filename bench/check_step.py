@@ -42,7 +42,13 @@ gradient accumulation over two micro-batches, one optimizer per model,
 10. ``determinism-conv`` (torchvision, not in the default list): stock
    Inductor, erase on one stream, erase, and erase with early updates, each
    trained twice on DGL ResNet-18 in deterministic mode: bitwise equal (a
-   race between streams varies from run to run).
+   race between streams varies from run to run);
+11. ``determinism-gpt`` (not in the default list: minutes with ``--steps 400``,
+   2,000 steps): erase on gpt:16:384:256:8, whose side streams write each
+   block's logits gradient over its logits (`EraseConfig.keep_inplace_writes`),
+   trained twice and once with every segment on the main stream
+   (``overlap=False``: the same kernels), math attention, deterministic mode:
+   all bitwise equal.
 """
 from __future__ import annotations
 
@@ -457,15 +463,18 @@ def check_early_optimizer(report, device, steps):
 
 
 def conv_batches(config, device, steps):
-    """``(base model, batches)`` of a torchvision config, or None where torchvision is absent."""
-    from bench.models import build_config, parse_config
+    """``(base model, batches)`` of a torchvision or gpt config, ``steps * 5`` fresh batches;
+    None where torchvision is absent."""
+    from bench.models import GPTConfig, build_config, gpt_inputs, parse_config
 
+    cfg = parse_config(config)
     try:
-        base, (images, labels) = build_config(parse_config(config), device,
-                                              torch.Generator(device).manual_seed(0))
+        base, (images, labels) = build_config(cfg, device, torch.Generator(device).manual_seed(0))
     except ImportError:
         return None
     generator = torch.Generator(device).manual_seed(9)
+    if isinstance(cfg, GPTConfig):
+        return base, [gpt_inputs(cfg, device, generator) for _ in range(steps * 5)]
     batches = [(torch.randn(images.shape, device=device, generator=generator),
                 torch.randint(0, int(labels.max()) + 1, labels.shape, device=device,
                               generator=generator)) for _ in range(steps * 5)]
@@ -474,7 +483,9 @@ def conv_batches(config, device, steps):
 
 def train_conv(base, batches, backend="erase", options=None, **step_options):
     """A fresh copy of ``base`` trained over ``batches`` with Adam in `compile_step`,
-    deterministic cuDNN: (snapshot, step, the first step's gradients)."""
+    deterministic cuDNN and attention: (snapshot, step, the first step's gradients)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch._dynamo.reset()
     model = copy.deepcopy(base)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
@@ -489,13 +500,17 @@ def train_conv(base, batches, backend="erase", options=None, **step_options):
     try:
         step = erase_fx.compile_step(train_step, warmup=WARMUP, **step_options)
         first_grads = None
-        for x, y in batches:
-            step(x, y)
-            if first_grads is None:
-                # NB: the first step's gradients come from the initial parameters whether
-                # updates run early or not: they differ only if the compiled kernels do
-                first_grads = [(name, p.grad.detach().clone())
-                               for name, p in model.named_parameters() if p.grad is not None]
+        # NB: the math attention (matmuls and a softmax): cuDNN's fused attention backward
+        # may differ from run to run by itself
+        with sdpa_kernel(SDPBackend.MATH):
+            for x, y in batches:
+                step(x, y)
+                if first_grads is None:
+                    # NB: the first step's gradients come from the initial parameters
+                    # whether updates run early or not: they differ only if the kernels do
+                    first_grads = [(name, p.grad.detach().clone())
+                                   for name, p in model.named_parameters()
+                                   if p.grad is not None]
         torch.cuda.synchronize()
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
@@ -565,6 +580,26 @@ def check_determinism_conv(report, device, steps, config="tv-resnet18-dgl:32:32"
                      f"{len(exact(first_grads, second_grads))} differ; {counts(step)}")
 
 
+def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
+    """erase on a transformer chain whose side streams write their logits' gradients in place
+    (`EraseConfig.keep_inplace_writes`), in deterministic mode: trained twice, and against the
+    same segments and kernels on the main stream alone (``overlap=False``): all bitwise equal.
+    A race (a stream reading memory another still writes) varies from run to run."""
+    base, batches = conv_batches(config, device, steps)
+    # NB: one throwaway compile first: the process's first compile autotunes (see
+    # check_early_optimizer_conv)
+    train_conv(base, batches[:2])
+    first, step, _ = train_conv(base, batches)
+    second, *_ = train_conv(base, batches)
+    alone, *_ = train_conv(base, batches, options={"overlap": False})
+    for label, other in (("run twice", second), ("against one stream", alone)):
+        differ = exact(first, other)
+        report.check(f"erase on {config}, compile_step, {len(batches)} steps, {label}: bitwise "
+                     "equal", not differ,
+                     f"{len(differ)} of {len(first)} tensors differ {differ[:3]} (largest: "
+                     f"{largest(first, other)}); {counts(step)}")
+
+
 def check_eager_timing(report, device, timings):
     batches = make_batches(4, device, seed=6)
     _, step, *_ = train("eager", "adam", batches, device, captured=False)
@@ -574,8 +609,8 @@ def check_eager_timing(report, device, timings):
 
 
 CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing", "early-optimizer")
-#: Checks run only when asked for (``--checks``): they need torchvision.
-EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv")
+#: Checks run only when asked for (``--checks``): they need torchvision, or take minutes.
+EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt")
 
 
 def main(argv=None) -> int:
@@ -608,6 +643,7 @@ def main(argv=None) -> int:
         "early-optimizer": lambda: check_early_optimizer(report, device, args.steps),
         "early-optimizer-conv": lambda: check_early_optimizer_conv(report, device, args.steps),
         "determinism-conv": lambda: check_determinism_conv(report, device, args.steps),
+        "determinism-gpt": lambda: check_determinism_gpt(report, device, args.steps),
     }
     for name in chosen:
         check = runs[name]

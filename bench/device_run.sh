@@ -90,6 +90,9 @@
 #   bash bench/device_run.sh inplace-b the same A/B on gpt:8 and ctr:16384 (~9 min)
 #   bash bench/device_run.sh inplace-c the same A/B on DGL ResNet-18 and the DGL ViT, with the fusions
 #                                      refused listed (~8 min)
+#   bash bench/device_run.sh inplace-d bench.check_step's determinism-gpt: 2,000 steps of gpt:16 with
+#                                      its side streams writing in place, trained twice and on one
+#                                      stream, bitwise equal (~5 min, estimated)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -197,7 +200,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -419,6 +422,11 @@ sys.argv = ['bench.run', '--budget-s', '450', '--out', '$OUT/inplace-c.json', '-
             '--configs', 'tv-resnet18-dgl:256:32,tv-vit-dgl:256:32', '--sweep-configs', '',
             '--trials', '5', '--variants', 'inductor+step,erase+step,erase+step/stock-fusion']
 runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: graph' ;;
+  inplace-d)
+    # the race stress with in-place writes on the side streams: gpt:16, 2,000 steps, trained
+    # twice and on one stream, bitwise equal
+    timeout 560 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-gpt.log" ;;
   memprof-c)
     # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
     # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3
