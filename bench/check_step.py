@@ -586,18 +586,27 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     same segments and kernels on the main stream alone (``overlap=False``): all bitwise equal.
     A race (a stream reading memory another still writes) varies from run to run."""
     base, batches = conv_batches(config, device, steps)
-    # NB: one throwaway compile first: the process's first compile autotunes (see
-    # check_early_optimizer_conv)
-    train_conv(base, batches[:2])
-    first, step, _ = train_conv(base, batches)
-    second, *_ = train_conv(base, batches)
-    alone, *_ = train_conv(base, batches, options={"overlap": False})
-    for label, other in (("run twice", second), ("against one stream", alone)):
+    # NB: deterministic algorithms: the embedding's backward is a scatter-add, whose atomic
+    # adds (Inductor's, or aten's) sum in another order on every run (2026-12-02, H200:
+    # 318 of 424 tensors differed between two runs without it)
+    torch.use_deterministic_algorithms(True)
+    try:
+        # NB: one throwaway compile first: the process's first compile autotunes (see
+        # check_early_optimizer_conv)
+        train_conv(base, batches[:2])
+        first, step, first_grads = train_conv(base, batches)
+        second, _, second_grads = train_conv(base, batches)
+        alone, _, alone_grads = train_conv(base, batches, options={"overlap": False})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for label, other, grads in (("run twice", second, second_grads),
+                                ("against one stream", alone, alone_grads)):
         differ = exact(first, other)
         report.check(f"erase on {config}, compile_step, {len(batches)} steps, {label}: bitwise "
                      "equal", not differ,
                      f"{len(differ)} of {len(first)} tensors differ {differ[:3]} (largest: "
-                     f"{largest(first, other)}); {counts(step)}")
+                     f"{largest(first, other)}); first step's gradients: "
+                     f"{exact(first_grads, grads)[:4]} differ; {counts(step)}")
 
 
 def check_eager_timing(report, device, timings):
