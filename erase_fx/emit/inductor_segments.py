@@ -44,6 +44,12 @@ the FX graph, each a copy). So:
   the conversion runs inside the segment, on its side stream, early.
   Inductor removes the clone where the strides already agree
   (``remove_noop_ops``), so it costs nothing there.
+- **Large in-place writes on side streams.** Under capture each side
+  stream keeps a memory pool of its own, as large as its segments' peak; a
+  side-stream segment compiles inside `inplace_fusion.keep_inplace_writes`
+  (`EraseConfig.keep_inplace_writes`), which refuses the fusions that would
+  keep Inductor from writing a large value over its input (a local loss's
+  logits and their gradient).
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
   the FX strides, the simple rule that needs no symbolic stride algebra.
 
@@ -158,6 +164,7 @@ def compile_inductor_segments(
 
 @contextlib.contextmanager
 def _fusion(keep_inplace_writes: bool, segment: str) -> Iterator[None]:
+    """Inside: `inplace_fusion.keep_inplace_writes` if asked; its refusals logged (debug)."""
     if not keep_inplace_writes:
         yield
         return
