@@ -93,6 +93,9 @@
 #   bash bench/device_run.sh inplace-d bench.check_step's determinism-gpt: 2,000 steps of gpt:16 with
 #                                      its side streams writing in place, trained twice and on one
 #                                      stream, bitwise equal (~5 min, estimated)
+#   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
+#                                      (why it still holds the logits and their gradient; ~2 min,
+#                                      not yet run)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -200,7 +203,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -427,6 +430,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # twice and on one stream, bitwise equal
     timeout 560 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-gpt.log" ;;
+  memprof-d)
+    # why gpt:16's side 1 still holds a block's logits and their gradient with
+    # keep_inplace_writes (the other side streams hold one of the two): its code kept
+    timeout 200 python3 -m bench.memory_profile --top 3 --out "$OUT/memprof-d-gpt.json" \
+      --keep-code "$OUT/code" --keep-code-of "side 1" --configs gpt:16:384:256:8 \
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/memprof-d-gpt.md" ;;
   memprof-c)
     # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
     # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3

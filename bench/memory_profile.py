@@ -189,13 +189,16 @@ def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int
     return "\n".join(lines)
 
 
-def generated_files(report: Sequence[StreamMemory]) -> set[str]:
-    """The generated (Inductor) source files the listed allocations were made in."""
-    return {a.source for s in report for a in s.at_peak if a.source}
+def generated_files(report: Sequence[StreamMemory], streams: Iterable[int] | None = None) -> set[str]:
+    """The generated (Inductor) source files the listed allocations were made in (of the
+    ``streams`` given, or of all)."""
+    wanted = None if streams is None else set(streams)
+    return {a.source for s in report if wanted is None or s.stream in wanted
+            for a in s.at_peak if a.source}
 
 
-def profile_variant(cfg_text: str, variant: str, top: int,
-                    keep_code: str | None = None) -> tuple[str, dict]:
+def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None = None,
+                    keep_streams: Sequence[str] | None = None) -> tuple[str, dict]:
     """Build one variant's step with the allocator's history on; its report, as text and data."""
     from bench.harness import WARMUP_STEPS, Variant, build_step, set_tf32
     from bench.models import build_config, parse_config
@@ -221,7 +224,9 @@ def profile_variant(cfg_text: str, variant: str, top: int,
     text = format_report(f"{cfg_text} {variant}", report, names)
     if keep_code:
         os.makedirs(keep_code, exist_ok=True)
-        for path in generated_files(report):
+        streams = None if not keep_streams else [
+            stream for stream, name in names.items() if name in keep_streams]
+        for path in generated_files(report, streams):
             shutil.copy(path, keep_code)
     data = {"config": cfg_text, "variant": variant,
             "capture": built.capture_info(),
@@ -242,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="write the reports here as JSON too")
     parser.add_argument("--keep-code", metavar="DIR",
                         help="copy the generated files the listed allocations were made in here")
+    parser.add_argument("--keep-code-of", metavar="STREAMS",
+                        help="with --keep-code: only the files of these streams, by the names the "
+                             "report gives them (comma-separated: 'side 1,capture')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.memory_profile needs a CUDA device", file=sys.stderr)
@@ -251,7 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for variant in args.variants.split(","):
             print(f"{cfg_text} {variant} ...", flush=True)
             try:
-                text, data = profile_variant(cfg_text, variant, args.top, args.keep_code)
+                text, data = profile_variant(
+                    cfg_text, variant, args.top, args.keep_code,
+                    args.keep_code_of.split(",") if args.keep_code_of else None)
             except Exception as error:  # one variant's failure is reported, the run goes on
                 text, data = f"## {cfg_text} {variant}: failed: {error!r}", {
                     "config": cfg_text, "variant": variant, "error": repr(error)}

@@ -55,6 +55,8 @@ def test_high_water_mark_is_the_most_alive_at_once_per_stream():
     assert report[MAIN].pool_bytes == 1000 and report[MAIN].peak_bytes == 500
     assert report[MAIN].at_peak == (Allocation(300, "made", "", "/tmp/gen.py"),)  # largest
     assert memory_profile.generated_files(list(report.values())) == {"/tmp/gen.py"}
+    assert memory_profile.generated_files(list(report.values()), [MAIN]) == {"/tmp/gen.py"}
+    assert memory_profile.generated_files(list(report.values()), []) == set()
     assert report[SIDE].pool_bytes == 600 and report[SIDE].peak_bytes == 400
     assert [s.stream for s in high_water_marks(_snapshot(trace))] == [MAIN, SIDE]  # largest first
 
