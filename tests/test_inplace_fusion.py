@@ -79,6 +79,24 @@ def test_the_handler_and_the_cache_key_tag_are_set_inside_only():
     assert V.choices is not handler
 
 
+def test_it_keeps_a_users_own_choices_and_cache_key_tag():
+    from torch._inductor.choices import InductorChoices
+
+    class Cautious(InductorChoices):
+        mine = True
+
+        @staticmethod
+        def can_fuse(scheduler, node1, node2, shared_data_score):
+            return False
+
+    with V.set_choices_handler(Cautious()), compiler_config.patch(cache_key_tag="mine"):
+        with keep_inplace_writes() as handler:
+            assert handler.mine  # every other choice is the user's
+            assert not handler.can_fuse(None, None, None, 1)  # the user's refusal stands
+            assert compiler_config.cache_key_tag.startswith("mine|")
+        assert isinstance(V.choices, Cautious) and compiler_config.cache_key_tag == "mine"
+
+
 class TwoBlocks(nn.Module):
     def __init__(self):
         super().__init__()
