@@ -462,7 +462,7 @@ def check_early_optimizer(report, device, steps):
                  not differ and step.early_updated > 0 and late.early_updated == 0, detail)
 
 
-def conv_batches(config, device, steps):
+def config_batches(config, device, steps):
     """``(base model, batches)`` of a torchvision or gpt config, ``steps * 5`` fresh batches;
     None where torchvision is absent."""
     from bench.models import GPTConfig, build_config, gpt_inputs, parse_config
@@ -481,7 +481,7 @@ def conv_batches(config, device, steps):
     return base, batches
 
 
-def train_conv(base, batches, backend="erase", options=None, **step_options):
+def train_in_step(base, batches, backend="erase", options=None, **step_options):
     """A fresh copy of ``base`` trained over ``batches`` with Adam in `compile_step`,
     deterministic cuDNN and attention: (snapshot, step, the first step's gradients)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -518,7 +518,7 @@ def train_conv(base, batches, backend="erase", options=None, **step_options):
 
 
 def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32:32"):
-    loaded = conv_batches(config, device, steps)
+    loaded = config_batches(config, device, steps)
     if loaded is None:
         report.check(f"early optimizer on {config}", False, "needs torchvision")
         return
@@ -528,9 +528,9 @@ def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32
     # step compiled after (its reductions ran in another order: on the H200, 277 of 377
     # tensors differed after 30 Adam steps, while each variant run twice after it was
     # bitwise equal, `determinism-conv`): one throwaway run first.
-    train_conv(base, batches[:2], early_optimizer=False)
-    want, late, want_grads = train_conv(base, batches, early_optimizer=False)
-    got, step, got_grads = train_conv(base, batches, early_optimizer=True)
+    train_in_step(base, batches[:2], early_optimizer=False)
+    want, late, want_grads = train_in_step(base, batches, early_optimizer=False)
+    got, step, got_grads = train_in_step(base, batches, early_optimizer=True)
     differ = exact(want, got)
     detail = (f"{len(differ)} of {len(want)} tensors differ {differ[:3]} (rel "
               f"{distance(want, got):.1e}); {step.early_updated} parameters updated early, "
@@ -539,8 +539,8 @@ def check_early_optimizer_conv(report, device, steps, config="tv-resnet18-dgl:32
         # NB: diagnosis. The first step's gradients precede any update; a baseline that
         # differs from itself makes the comparison say nothing; a race varies between
         # two early runs, a wrong order or value does not.
-        again, *_ = train_conv(base, batches, early_optimizer=False)
-        early_again, *_ = train_conv(base, batches, early_optimizer=True)
+        again, *_ = train_in_step(base, batches, early_optimizer=False)
+        early_again, *_ = train_in_step(base, batches, early_optimizer=True)
         detail += (f"; first step's gradients: {len(exact(want_grads, got_grads))} of "
                    f"{len(want_grads)} differ (largest: {largest(want_grads, got_grads)}); "
                    f"baseline run twice: {len(exact(want, again))} differ; early run "
@@ -564,14 +564,14 @@ DETERMINISM_VARIANTS = (
 def check_determinism_conv(report, device, steps, config="tv-resnet18-dgl:32:32"):
     """Each variant trained twice in deterministic mode must give the same bits: a race
     (a stream reading memory another still writes) varies from run to run."""
-    loaded = conv_batches(config, device, steps)
+    loaded = config_batches(config, device, steps)
     if loaded is None:
         report.check(f"determinism on {config}", False, "needs torchvision")
         return
     base, batches = loaded
     for label, backend, options, step_options in DETERMINISM_VARIANTS:
-        first, step, first_grads = train_conv(base, batches, backend, options, **step_options)
-        second, _, second_grads = train_conv(base, batches, backend, options, **step_options)
+        first, step, first_grads = train_in_step(base, batches, backend, options, **step_options)
+        second, _, second_grads = train_in_step(base, batches, backend, options, **step_options)
         differ = exact(first, second)
         report.check(f"{label} on {config}, compile_step, {len(batches)} steps, run twice: "
                      "bitwise equal", not differ,
@@ -585,7 +585,7 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     (`EraseConfig.keep_inplace_writes`), in deterministic mode: trained twice, and against the
     same segments and kernels on the main stream alone (``overlap=False``): all bitwise equal.
     A race (a stream reading memory another still writes) varies from run to run."""
-    base, batches = conv_batches(config, device, steps)
+    base, batches = config_batches(config, device, steps)
     # NB: deterministic algorithms: the embedding's backward is a scatter-add, whose atomic
     # adds (Inductor's, or aten's) sum in another order on every run (2026-12-02, H200:
     # 318 of 424 tensors differed between two runs without it)
@@ -593,10 +593,10 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     try:
         # NB: one throwaway compile first: the process's first compile autotunes (see
         # check_early_optimizer_conv)
-        train_conv(base, batches[:2])
-        first, step, first_grads = train_conv(base, batches)
-        second, _, second_grads = train_conv(base, batches)
-        alone, _, alone_grads = train_conv(base, batches, options={"overlap": False})
+        train_in_step(base, batches[:2])
+        first, step, first_grads = train_in_step(base, batches)
+        second, _, second_grads = train_in_step(base, batches)
+        alone, _, alone_grads = train_in_step(base, batches, options={"overlap": False})
     finally:
         torch.use_deterministic_algorithms(False)
     for label, other, grads in (("run twice", second, second_grads),
