@@ -8,6 +8,7 @@ the size hints) on the installed torch.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from torch._inductor.virtualized import V
 
 import erase_fx
 from bench.check_inplace_fusion import compile_once, softmax_head
+from bench.models import GPTChain, GPTConfig, gpt_inputs
+from graphs import assert_same_grads
 from erase_fx.emit import inductor_segments, inplace_fusion
 from erase_fx.emit.inplace_fusion import CACHE_KEY_TAG, keep_inplace_writes
 
@@ -133,3 +136,30 @@ def test_side_stream_segments_compile_inside_it_when_the_option_is_on(monkeypatc
     assert (len(calls) > 0) == keep
     assert all(CACHE_KEY_TAG in tag for tag in calls)
     assert inductor_segments.inplace_fusion is inplace_fusion
+
+
+def test_gradients_equal_eagers_with_fusions_refused(monkeypatch):
+    """A transformer chain with local LM heads (fp32), the threshold lowered so that its
+    side segments' logits (4 MiB here) are written in place: every grad equals eager's."""
+    refused = []
+    real = inplace_fusion.keep_inplace_writes
+
+    @contextlib.contextmanager
+    def lowered(min_bytes=None):
+        with real(min_bytes=64 << 10) as handler:
+            yield handler
+        refused.extend(handler.refused)
+
+    monkeypatch.setattr(inplace_fusion, "keep_inplace_writes", lowered)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig.parse("gpt:2:64:64:3")
+    model = GPTChain(cfg, amp_dtype=None)
+    reference = copy.deepcopy(model)
+    tokens, targets = gpt_inputs(cfg, torch.device("cpu"))
+    with inductor_config.patch(fx_graph_cache=False):
+        torch.compile(model, backend="erase", options={"on_error": "raise"})(
+            tokens, targets).backward()
+    reference(tokens, targets).backward()
+    assert refused, "the side segments' logits must be written in place"
+    assert_same_grads(reference, model, rtol=1e-4, atol=1e-6)
