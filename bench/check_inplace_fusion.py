@@ -7,8 +7,10 @@ reads ``B`` at each row's target) with stock Inductor and inside
 fusions refused, the kernel calls and the buffers written in place
 (``# reuse`` lines) of the generated code, and whether both compute the same.
 On a GPU the expected difference: stock writes the softmax into a buffer of
-its own, the kept form writes it over ``B``. Runs on CPU too (``--device
-cpu``), where Inductor's C++ kernels group the loops differently.
+its own, the kept form writes it over ``B``; the check passes when both equal
+eager and, on a GPU, the kept form refused a fusion and writes over ``B``.
+Runs on CPU too (``--device cpu``), where Inductor's C++ kernels write over
+``B`` either way.
 """
 from __future__ import annotations
 
@@ -45,8 +47,16 @@ def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):
     with keeping as handler, config.patch(fx_graph_cache=False):
         got, code = run_and_get_code(torch.compile(softmax_head), a, w, target)
     want = softmax_head(a, w, target)
-    same = all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got, want))
+    # NB: the softmax is exp(B - lse) with lse near 30: fp32 rounding of lse (another sum
+    # order than eager's) moves it by a few 1e-6, relative
+    same = all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(got, want))
     return getattr(handler, "refused", None), code[0], same
+
+
+def writes_over_matmul(code: str) -> bool:
+    """Whether the generated code writes a value over the matmul's output (``buf0``)."""
+    return any("del buf0" in line and line.rstrip().endswith("# reuse")
+               for line in code.splitlines())
 
 
 def call_lines(code: str) -> list[str]:
@@ -65,11 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = True
     for keep in (False, True):
         refused, code, same = compile_once(args.device, keep)
+        over = writes_over_matmul(code)
         print(f"{'keep_inplace_writes' if keep else 'stock'} on {args.device}: refused {refused}, "
-              f"same as eager: {same}")
+              f"same as eager: {same}, writes over the matmul's output: {over}")
         for line in call_lines(code):
             print("   ", line)
         ok &= same
+        if keep and args.device == "cuda":
+            # NB: on CPU Inductor's C++ kernels write over it either way
+            ok &= bool(refused) and over
+    print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 

@@ -18,7 +18,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.virtualized import V
 
 import erase_fx
-from bench.check_inplace_fusion import compile_once, softmax_head
+from bench.check_inplace_fusion import compile_once, softmax_head, writes_over_matmul
 from bench.models import GPTChain, GPTConfig, gpt_inputs
 from graphs import assert_same_grads
 from erase_fx.emit import inductor_segments, inplace_fusion
@@ -47,6 +47,12 @@ def test_a_fusion_that_blocks_a_large_inplace_write_is_refused_and_results_are_u
     assert refused, "the softmax over B, read again by the loss value, must be refused a fusion"
     assert all(r.nbytes >= MiB for r in refused)
     assert all(r.buffer.startswith("buf") and r.writer.startswith("op") for r in refused)
+
+
+def test_the_check_reads_inductors_reuse_lines():
+    kept = "    buf3 = buf0; del buf0  # reuse\n    triton_poi_fused_div_exp_sub_2.run(buf3)\n"
+    stock = "    buf5 = buf4; del buf4  # reuse\n    del buf0\n"
+    assert writes_over_matmul(kept) and not writes_over_matmul(stock)
 
 
 def test_buffers_under_the_threshold_are_left_to_inductor():
