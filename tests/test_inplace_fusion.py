@@ -86,6 +86,7 @@ def test_the_handler_and_the_cache_key_tag_are_set_inside_only():
         assert handler.should_use_persistent_reduction == before_choices.should_use_persistent_reduction
     assert compiler_config.cache_key_tag == before_tag
     assert V.choices is not handler
+    assert copy.copy(handler).min_bytes == handler.min_bytes
 
 
 def test_it_keeps_a_users_own_choices_and_cache_key_tag():

@@ -74,6 +74,8 @@ class InplaceKeepingChoices:
         self.refused: list[RefusedFusion] = []
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # NB: copy and pickle look attributes up before __init__ ran
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
