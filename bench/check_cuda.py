@@ -27,8 +27,8 @@ import time
 import torch
 
 import erase_fx
-from bench.harness import (Variant, build_step, compile_erase, grads_of, max_rel_err,
-                           time_steps, whole_step_graph)
+from bench.harness import (Variant, build_step, compile_erase, deterministic_algorithms,
+                           grads_of, max_rel_err, time_steps, whole_step_graph)
 from bench.models import ChainConfig, DetachedChain, make_inputs
 from erase_fx.emit.cudagraphs import GraphedForward
 
@@ -235,8 +235,7 @@ def stress(cfg, steps, device, graphs, release_lag=None):
     program release memory before the join, so later segments reuse it: the
     run then also proves that reuse is ordered by events.
     """
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
+    with deterministic_algorithms():
         torch._dynamo.reset()
         base = DetachedChain(cfg).to(device)
         multi_model, single_model = copy.deepcopy(base), copy.deepcopy(base)
@@ -255,8 +254,6 @@ def stress(cfg, steps, device, graphs, release_lag=None):
                     differing += 1
                     break
         return differing
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 #: The timing table's variants (`bench.harness`'s names).

@@ -68,6 +68,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import erase_fx  # noqa: E402
+from bench.harness import deterministic_algorithms  # noqa: E402
 from bench.models import ChainConfig, DetachedChain  # noqa: E402
 
 WARMUP = 2
@@ -570,14 +571,22 @@ def check_determinism_conv(report, device, steps, config="tv-resnet18-dgl:32:32"
         return
     base, batches = loaded
     for label, backend, options, step_options in DETERMINISM_VARIANTS:
-        first, step, first_grads = train_in_step(base, batches, backend, options, **step_options)
-        second, _, second_grads = train_in_step(base, batches, backend, options, **step_options)
-        differ = exact(first, second)
-        report.check(f"{label} on {config}, compile_step, {len(batches)} steps, run twice: "
-                     "bitwise equal", not differ,
-                     f"{len(differ)} of {len(first)} tensors differ {differ[:3]} (largest: "
-                     f"{largest(first, second)}); first step's gradients: "
-                     f"{len(exact(first_grads, second_grads))} differ; {counts(step)}")
+        first = train_in_step(base, batches, backend, options, **step_options)
+        second = train_in_step(base, batches, backend, options, **step_options)
+        check_bitwise(report, f"{label} on {config}, compile_step, {len(batches)} steps, run "
+                      "twice", first, second)
+
+
+def check_bitwise(report, title, first, other):
+    """Report that two `train_in_step` results are bitwise equal: every parameter, buffer and
+    optimizer state after training (the first step's gradients say where it began)."""
+    (got, step, got_grads), (want, _, want_grads) = first, other
+    differ = exact(got, want)
+    report.check(f"{title}: bitwise equal", not differ,
+                 f"{len(differ)} of {len(got)} tensors differ {differ[:3]} (largest: "
+                 f"{largest(got, want)}); first step's gradients: "
+                 f"{len(exact(got_grads, want_grads))} differ "
+                 f"{exact(got_grads, want_grads)[:3]}; {counts(step)}")
 
 
 def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
@@ -589,24 +598,16 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     # NB: deterministic algorithms: the embedding's backward is a scatter-add, whose atomic
     # adds (Inductor's, or aten's) sum in another order on every run (2026-12-02, H200:
     # 318 of 424 tensors differed between two runs without it)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         # NB: one throwaway compile first: the process's first compile autotunes (see
         # check_early_optimizer_conv)
         train_in_step(base, batches[:2])
-        first, step, first_grads = train_in_step(base, batches)
-        second, _, second_grads = train_in_step(base, batches)
-        alone, _, alone_grads = train_in_step(base, batches, options={"overlap": False})
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for label, other, grads in (("run twice", second, second_grads),
-                                ("against one stream", alone, alone_grads)):
-        differ = exact(first, other)
-        report.check(f"erase on {config}, compile_step, {len(batches)} steps, {label}: bitwise "
-                     "equal", not differ,
-                     f"{len(differ)} of {len(first)} tensors differ {differ[:3]} (largest: "
-                     f"{largest(first, other)}); first step's gradients: "
-                     f"{exact(first_grads, grads)[:4]} differ; {counts(step)}")
+        first = train_in_step(base, batches)
+        second = train_in_step(base, batches)
+        alone = train_in_step(base, batches, options={"overlap": False})
+    for label, other in (("run twice", second), ("against one stream", alone)):
+        check_bitwise(report, f"erase on {config}, compile_step, {len(batches)} steps, {label}",
+                      first, other)
 
 
 def check_eager_timing(report, device, timings):

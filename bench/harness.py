@@ -443,6 +443,18 @@ def set_tf32(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = on
 
 
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Inside: ``torch.use_deterministic_algorithms(True)`` (the race checks: a difference
+    between two runs is then a race, not an atomic add's order); the setting before, after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def time_steps(step, trials: int, steps_per_trial: int, warmup: int = 0):
     """Median, min and max over ``trials`` of the mean step time (ms, CUDA events)."""
     for _ in range(warmup):
