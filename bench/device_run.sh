@@ -96,6 +96,9 @@
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      not yet run)
+#   bash bench/device_run.sh mem-a     the memory-first setting (overlap=False) and two side streams on
+#                                      DGL ResNet-18 and the DGL ViT, against the default and
+#                                      inductor+step: time and step memory (~8 min)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -203,7 +206,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -430,6 +433,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # twice and on one stream, bitwise equal
     timeout 560 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-gpt.log" ;;
+  mem-a)
+    # overlap=False (the memory-first setting) and streams=2 where neither was measured
+    timeout 580 python3 -m bench.run --budget-s 500 --out "$OUT/mem-a.json" --streams '' \
+      --configs tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/one-stream,erase+step/streams=2 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   memprof-d)
     # why gpt:16's side 1 still holds a block's logits and their gradient with
     # keep_inplace_writes (the other side streams hold one of the two): its code kept
