@@ -99,6 +99,10 @@
 #   bash bench/device_run.sh mem-a     the memory-first setting (overlap=False) and two side streams on
 #                                      DGL ResNet-18 and the DGL ViT, against the default and
 #                                      inductor+step: time and step memory (~8 min)
+#   bash bench/device_run.sh mem-b     after mem-a: stages on side streams forced (their activations
+#                                      freed on the side stream under capture) on DGL ResNet-18 and
+#                                      the DGL ViT (3 blocks on 4 streams: stages on main by
+#                                      default), then memprof-d (~9.5 min)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -206,7 +210,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -439,6 +443,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --configs tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/one-stream,erase+step/streams=2 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  mem-b)
+    timeout 420 python3 -m bench.run --budget-s 340 --out "$OUT/mem-b.json" --streams '' \
+      --configs tv-vit-dgl:256:32,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
+      --variants inductor+step,erase+step,erase+step/stages-on-side 2>&1 \
+      | grep -v '^erase_fx: graph' || true
+    OUT="$OUT" bash "$0" memprof-d ;;
   memprof-d)
     # why gpt:16's side 1 still holds a block's logits and their gradient with
     # keep_inplace_writes (the other side streams hold one of the two): its code kept
