@@ -103,9 +103,6 @@
 #                                      freed on the side stream under capture) on DGL ResNet-18 and
 #                                      the DGL ViT (3 blocks on 4 streams: stages on main by
 #                                      default), then memprof-d (~9.5 min)
-#   bash bench/device_run.sh mem-c     after split_segments' forward_first (each block's loss value
-#                                      before its early backward): time and step memory of the
-#                                      gpt chains against inductor+step (~5 min)
 #   bash bench/device_run.sh memprof-c gpt:16's default profiled with its generated code kept (why a
 #                                      side stream holds a block's logits and their gradient at
 #                                      once), then the layout pin's A/B on MobileNetV3 (~9 min,
@@ -213,7 +210,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|mem-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -446,10 +443,6 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --configs tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/one-stream,erase+step/streams=2 2>&1 \
       | grep -v '^erase_fx: graph' ;;
-  mem-c)
-    timeout 330 python3 -m bench.run --budget-s 250 --out "$OUT/mem-c.json" --streams '' \
-      --configs gpt:16:384:256:8,gpt:8:768:1024:6 --sweep-configs '' --trials 5 \
-      --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' ;;
   mem-b)
     timeout 420 python3 -m bench.run --budget-s 340 --out "$OUT/mem-b.json" --streams '' \
       --configs tv-vit-dgl:256:32,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \

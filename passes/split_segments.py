@@ -48,18 +48,16 @@ outputs it reads.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import operator
 
-import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import output_descriptors, rebuild_in_order
-from erase_fx.passes.node_meta import MAIN_STREAM, get_meta, is_early
+from erase_fx.passes.node_meta import MAIN_STREAM, get_meta
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "split_segments"
@@ -208,7 +206,6 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
             launch_after[(block, piece)] = max(launch_after[(block, piece)],
                                                launch_after[(block, piece - 1)])
 
-    block_nodes = {key: forward_first(members) for key, members in block_nodes.items()}
     launches: dict[int, list[tuple[int, int]]] = {}
     for block in sorted(block_nodes):
         launches.setdefault(launch_after[block], []).append(block)
@@ -250,45 +247,6 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
                 ordered.extend(block_nodes[block])
     rest = [n for n in nodes if n in deferred and n not in emitted]
     return ordered + rest + after_join + [n for n in nodes if n.op == "output"]
-
-
-def forward_first(nodes: list[fx.Node]) -> list[fx.Node]:
-    """``nodes`` (one block's side-stream nodes, in graph order) with each forward node as
-    early as its inputs allow: before the early backward nodes it does not read.
-
-    Why: a block's loss *value* (the scalar its local loss returns, which the early
-    backward does not read) comes last in the partitioner's order, after the whole early
-    backward. Inductor then computes it last in the segment, reading the logits at each
-    row's target, so the logits (64 MiB a block on gpt:16:384:256:8) live through the
-    block's backward and the gradient cannot be written over them. Computed first, the
-    loss value leaves the gradient kernel the logits' last reader. Forward nodes keep their
-    order among themselves, early nodes theirs; where the block has a random op the order
-    is kept as it was (random ops draw from a generator in program order under
-    ``aot_eager``).
-    """
-    if any(_is_random(n) for n in nodes):
-        return nodes
-    members = set(nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: sum(1 for a in n.all_input_nodes if a in members) for n in nodes}
-    ready = [(is_early(n), index[n]) for n in nodes if waiting[n] == 0]
-    heapq.heapify(ready)
-    ordered = []
-    while ready:
-        node = nodes[heapq.heappop(ready)[1]]
-        ordered.append(node)
-        for user in node.users:
-            if user in members:
-                waiting[user] -= 1
-                if waiting[user] == 0:
-                    heapq.heappush(ready, (is_early(user), index[user]))
-    return ordered
-
-
-def _is_random(node: fx.Node) -> bool:
-    target = node.target
-    return (isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _feeding_mutations_only(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -7,8 +7,6 @@ import pytest
 
 from erase_fx.config import EraseConfig
 from erase_fx.passes import MAIN_STREAM
-from erase_fx.passes.node_meta import NodeMeta, Role, is_early
-from erase_fx.passes.split_segments import forward_first
 from graphs import (
     Chain,
     Stages,
@@ -136,46 +134,3 @@ def test_batchnorm_statistics_updates_do_not_cut_a_stage_into_pieces(inner):
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     assert_outputs_close(list(stages.segmented.gm(*args)), list(stages.fw(*args)))
-
-
-def _block_segments(stages):
-    for segment in stages.segmented.segments:
-        if segment.block is not None and not segment.stage:
-            yield segment, getattr(stages.segmented.gm, segment.name)
-
-
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_a_blocks_loss_value_comes_before_its_early_backward(inner):
-    """The partitioner leaves each block's loss value (the scalar its cross-entropy returns)
-    after the block's whole early backward; in the segment it must come first, so that
-    Inductor's gradient kernel is the logits' last reader and may write over them."""
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner=inner, streams=4), inner=inner)
-    checked = 0
-    for _segment, sub in _block_segments(stages):
-        nodes = [n for n in sub.graph.nodes if n.op == "call_function"]
-        early = [i for i, n in enumerate(nodes) if is_early(n)]
-        forward = [i for i, n in enumerate(nodes) if not is_early(n)]
-        assert early and forward
-        # every forward node that reads no early node runs before the first early node
-        reads_early = set()
-        for n in nodes:
-            if is_early(n) or any(a in reads_early for a in n.all_input_nodes):
-                reads_early.add(n)
-        free = [i for i in forward if nodes[i] not in reads_early]
-        assert max(free) < min(early), [nodes[i].name for i in free if i > min(early)]
-        checked += 1
-    assert checked == 2
-
-
-def test_forward_first_keeps_a_blocks_order_where_it_has_a_random_op():
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    late = graph.call_function(torch.ops.aten.neg.default, (x,))
-    late.meta["erase_fx"] = NodeMeta(Role.EARLY_BACKWARD, block=0)
-    noise = graph.call_function(torch.ops.aten.rand_like.default, (x,))
-    noise.meta["erase_fx"] = NodeMeta(Role.FORWARD, block=0)
-    nodes = [late, noise]
-    assert forward_first(nodes) == nodes
-    plain = graph.call_function(torch.ops.aten.relu.default, (x,))
-    plain.meta["erase_fx"] = NodeMeta(Role.FORWARD, block=0)
-    assert forward_first([late, plain]) == [plain, late]
