@@ -95,7 +95,7 @@
 #                                      stream, bitwise equal (~5 min, estimated)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
-#                                      not yet run)
+#                                      ran 2026-12-03 inside mem-b)
 #   bash bench/device_run.sh mem-a     the memory-first setting (overlap=False) and two side streams on
 #                                      DGL ResNet-18 and the DGL ViT, against the default and
 #                                      inductor+step: time and step memory (~8 min)
