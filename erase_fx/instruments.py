@@ -10,18 +10,19 @@ pass's `PassResult` renders its own: `PassResult.render`) into
 ``<dump_dir>/graph_<n>/``::
 
     00_joint.py                       the joint graph AOTAutograd traced
-    01_find_stop_gradient_blocks.json the blocks and rejected components
-    02_schedule_early_backward.py     the rewritten joint graph
-    03_partition_joint_graph.fwd.py   the forward and backward modules
-    03_partition_joint_graph.bwd.py
-    04_copy_input_values_per_block.py the forward, large input-only values copied per block
-    05_assign_streams.py              the forward, with streams in comments
-    06_recompute_boundary_values.py   the forward, block segments' cheap boundary values recomputed
-    07_split_segments.py              the split module, then one file per segment
-    07_split_segments.seg_<k>_....py
-    07_split_segments.segments.json
-    08_bwd.py                         the backward AOT hands over (at the first backward)
-    09_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
+    01_merge_common_subexpressions.py the joint graph, its tangent-free repeats merged
+    02_find_stop_gradient_blocks.json the blocks and rejected components
+    03_schedule_early_backward.py     the rewritten joint graph
+    04_partition_joint_graph.fwd.py   the forward and backward modules
+    04_partition_joint_graph.bwd.py
+    05_copy_input_values_per_block.py the forward, large input-only values copied per block
+    06_assign_streams.py              the forward, with streams in comments
+    07_recompute_boundary_values.py   the forward, block segments' cheap boundary values recomputed
+    08_split_segments.py              the split module, then one file per segment
+    08_split_segments.seg_<k>_....py
+    08_split_segments.segments.json
+    09_bwd.py                         the backward AOT hands over (at the first backward)
+    10_defer_grad_scaling.py          the backward as compiled: early grads unscaled, scales last
     report.json                       the GraphReport (but its graph_id: the folder's name)
     timings.json                      how long each pass took
     schedule.dot                      the forward after assign_streams, drawn (needs pydot)
@@ -231,7 +232,7 @@ def param_names_by_input(primal_inputs: list[str], analysis: BlockAnalysis) -> d
 
 
 def artifact_name(folder_name: str, file_name: str) -> str:
-    """``erase_fx_graph_0_02_schedule_early_backward.py``: a dump file's name in the trace."""
+    """``erase_fx_graph_0_03_schedule_early_backward.py``: a dump file's name in the trace."""
     return f"erase_fx_{folder_name}_{file_name}"
 
 
@@ -300,7 +301,7 @@ def read_dumped_report(graph_folder: str | os.PathLike) -> GraphReport:
 
 
 def step_stem(step: int, name: str) -> str:
-    """``02_schedule_early_backward``: the file name of a step's result, without suffix."""
+    """``03_schedule_early_backward``: the file name of a step's result, without suffix."""
     return f"{step:02d}_{name}"
 
 

@@ -8,11 +8,13 @@ input, and its invariants are checked after it (``check_*``). The lists
 
 On the AOT joint graph::
 
+    merge_common_subexpressions joint -> joint with its tangent-free repeats merged (the stock
+                                partitioner's CSE, run before the blocks are cloned)
     find_stop_gradient_blocks   analysis -> the joint + BlockAnalysis (blocks, rejected + reasons)
       split_at_sums             (used by it) a component's loss terms, their parts, where they meet
     schedule_early_backward     joint -> joint with early blocks cloned into the forward
     partition_joint_graph       joint -> forward + JointPartition(forward, backward), early grads
-                                kept in the forward
+                                kept in the forward (the stock partitioner, its CSE off)
 
 On the forward module::
 

@@ -9,10 +9,13 @@ numbers without saying so); when it, or a value it is made from, is large
 (at least `MIN_BYTES`) and much larger than the graph inputs it is made from
 (`GROWTH` times their bytes); and when the forward does not return it (a
 value saved for the backward lives past the join anyway: such a value is
-read as it is, like an input, by the copies made from it). The stock
-partitioner's CSE makes such values: a cross-entropy's backward builds the
-same batch x classes ``where(iota == target, -1, 0) / n`` from the labels in
-every block, and CSE keeps one of them for all. Each (block, piece) whose
+read as it is, like an input, by the copies made from it). Merging
+common subexpressions makes such values (`merge_common_subexpressions`, as
+the stock partitioner's CSE): blocks that learn the same soft targets
+(``one_hot(labels) * 0.9 + 0.1 / classes``) each build them in the forward,
+and the merge keeps one of them for all. (A helper of the backward alone, a
+cross-entropy's batch x classes label mask, is cloned per block after the
+merge and is not shared.) Each (block, piece) whose
 early nodes read the value gets its own copy of it and of the large values it
 is made from, placed right before its first reader there and marked as that
 block's; the small values they read (the labels, masks made from them) stay
@@ -208,7 +211,7 @@ def copy_input_values_per_block(gm: fx.GraphModule,
             for user in readers[node][owner]:
                 user.replace_input_with(node, copy)
     # NB: an early reader redirected above may itself be a copied value the forward still
-    # reads (CSE merged a forward node onto it): it keeps reading the originals, so that no
+    # reads (the merge made a forward node of it): it keeps reading the originals, so that no
     # copy is read outside its block
     for node in to_copy:
         if node.users:

@@ -11,6 +11,13 @@ Exposing them as temporary extra forward outputs forces them into the
 forward; they are then saved tensors of the forward, and the extra outputs are
 stripped from the forward module again.
 
+The stock partitioner merges common subexpressions first; here it does not
+(``torch._functorch.config.cse`` off while it runs): `merge_common_subexpressions`
+merged the joint graph's tangent-free ones before `schedule_early_backward`
+cloned each block's backward, and merging again would make the clones of one
+helper (a cross-entropy's label mask, in every block and in the backward) one
+forward value, saved for the backward.
+
 Invariants out (`check_partition`): the forward module returns the original
 forward outputs first, then the saved values; every early gradient node is
 computed in the forward; the backward module's inputs are saved values then
@@ -26,6 +33,7 @@ import dataclasses
 from typing import Any
 
 import torch.fx as fx
+from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import (
     default_partition,
     min_cut_rematerialization_partition,
@@ -39,6 +47,10 @@ from erase_fx.passes.node_meta import Role, get_meta
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "partition_joint_graph"
+
+#: Whether the stock partitioner merges common subexpressions here (its default does; see
+#: the module docstring for why erase_fx's does not; ``bench``'s ``/late-cse`` sets it).
+PARTITIONER_CSE = False
 
 STOCK_PARTITIONERS = {
     "min_cut": min_cut_rematerialization_partition,
@@ -102,8 +114,11 @@ def partition_joint_graph(
         )
     joint.recompile()
 
-    fw, bw = stock_partition(joint, joint_inputs, cfg, num_fwd_outputs=num_fwd_outputs + k,
-                             **kwargs)
+    # NB: merge_common_subexpressions merged the joint before the blocks were cloned; the
+    # partitioner's own CSE would merge each block's clones back into one forward value.
+    with functorch_config.patch(cse=PARTITIONER_CSE):
+        fw, bw = stock_partition(joint, joint_inputs, cfg, num_fwd_outputs=num_fwd_outputs + k,
+                                 **kwargs)
 
     fw_out = output_node(fw.graph)
     fw_outputs = list(fw_out.args[0])

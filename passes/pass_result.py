@@ -26,7 +26,7 @@ class DumpFile:
     """One file of a step's dump.
 
     Attributes:
-        suffix: appended to the step's stem (``03_partition_joint_graph``):
+        suffix: appended to the step's stem (``04_partition_joint_graph``):
             ``.py``, ``.fwd.py``, ``.segments.json``...
         part: what the file holds, in words, for its provenance header.
         text: the file's content.

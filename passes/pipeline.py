@@ -4,7 +4,8 @@ AOTAutograd hands erase_fx three modules at three times
 (`erase_fx.compilation`): the joint graph, then the forward, then, at the
 first ``.backward()``, the backward. Each has its list of passes, in order::
 
-    JOINT_PASSES     find_stop_gradient_blocks > schedule_early_backward > partition_joint_graph
+    JOINT_PASSES     merge_common_subexpressions > find_stop_gradient_blocks
+                     > schedule_early_backward > partition_joint_graph
     FORWARD_PASSES   copy_input_values_per_block > assign_streams > recompute_boundary_values
                      > split_segments
     BACKWARD_PASSES  defer_grad_scaling
@@ -48,6 +49,7 @@ from erase_fx.passes.find_stop_gradient_blocks import (
     check_block_analysis,
     find_stop_gradient_blocks,
 )
+from erase_fx.passes.merge_common_subexpressions import check_merged, merge_common_subexpressions
 from erase_fx.passes.partition_joint_graph import check_partition, partition_joint_graph
 from erase_fx.passes.pass_result import PassResult
 from erase_fx.passes.recompute_boundary_values import (
@@ -154,6 +156,14 @@ def _run_checked(entry: Pass, gm: fx.GraphModule, context: PassContext) -> PassR
 
 # -- the entries --------------------------------------------------------------
 
+def _merge(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return merge_common_subexpressions(gm, context.cfg)
+
+
+def _check_merged(result: PassResult, context: PassContext) -> None:
+    check_merged(result)
+
+
 def _find_blocks(gm: fx.GraphModule, context: PassContext) -> PassResult:
     return find_stop_gradient_blocks(gm, context.cfg,
                                      num_fwd_outputs=context.given["num_fwd_outputs"],
@@ -231,6 +241,7 @@ def _check_deferred(result: PassResult, context: PassContext) -> None:
     check_deferred_scaling(result)
 
 
+MERGE_COMMON_SUBEXPRESSIONS = Pass("merge_common_subexpressions", _merge, _check_merged)
 FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", _find_blocks, _check_blocks)
 SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", _schedule, _check_schedule,
                                runs_if=_found_blocks)
@@ -247,9 +258,9 @@ DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_defe
 #: inside). The scheduling and the partition run only when the analysis found
 #: an early block; the caller then partitions with the stock partitioner.
 JOINT_PASSES: tuple[Pass, ...] = (
-    FIND_STOP_GRADIENT_BLOCKS, SCHEDULE_EARLY_BACKWARD, PARTITION_JOINT_GRAPH)
-#: On the forward AOT hands over, when it holds early nodes; these run after the stock
-#: partitioner, whose CSE can merge a block's node with a forward node or another block's.
+    MERGE_COMMON_SUBEXPRESSIONS, FIND_STOP_GRADIENT_BLOCKS, SCHEDULE_EARLY_BACKWARD,
+    PARTITION_JOINT_GRAPH)
+#: On the forward AOT hands over, when it holds early nodes.
 FORWARD_PASSES: tuple[Pass, ...] = (COPY_INPUT_VALUES_PER_BLOCK, ASSIGN_STREAMS,
                                     RECOMPUTE_BOUNDARY_VALUES, SPLIT_SEGMENTS)
 #: On the backward, at the first ``.backward()``, when the graph has early blocks.

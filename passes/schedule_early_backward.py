@@ -196,7 +196,7 @@ def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
 
 
 def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
-    """``T / seed`` in the gradient's dtype (one node per use; CSE merges duplicates)."""
+    """``T / seed`` in the gradient's dtype: one scalar node per use (or the tangent itself)."""
     scale = tangent
     if val_of(tangent).dtype != dtype:
         scale = call_with_val(graph, aten._to_copy.default, (scale,), {"dtype": dtype},

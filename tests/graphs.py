@@ -164,6 +164,24 @@ class Chain(nn.Module):
         return loss
 
 
+class SoftLabelChain(Chain):
+    """A Chain whose heads learn label-smoothed targets made in the forward
+    (``one_hot(labels) * 0.9 + 0.1 / classes``): one batch x classes value, the same in every
+    block, that each block's loss and its backward read."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = x.new_zeros(())
+        h = x
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            logits = head(h)
+            classes = logits.shape[-1]
+            soft = F.one_hot(labels, classes).to(logits.dtype) * 0.9 + 0.1 / classes
+            loss = loss - (soft * F.log_softmax(logits, -1)).sum(-1).mean()
+            h = h.detach()
+        return loss
+
+
 class BatchNormBlocks(nn.Module):
     """Detached blocks with BatchNorm: running stats are buffers mutated in the forward."""
 

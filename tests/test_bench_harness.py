@@ -8,6 +8,8 @@ import torch.nn as nn
 
 from bench import harness
 from bench.harness import LEGACY_NAMES, Variant
+from erase_fx.config import EraseConfig
+from graphs import Chain, chain_inputs, trace_joint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,6 +133,24 @@ def test_layouts_unpinned_patches_erase_for_its_row_only():
         assert inductor_segments.pin_early_outputs_to_fx_layout is real
     with pytest.raises(ValueError, match="apply to erase variants only"):
         Variant.parse("inductor+step/layouts-unpinned")
+
+
+def test_late_cse_restores_the_order_before_the_merge_for_its_row_only():
+    import importlib
+
+    from erase_fx.passes import pipeline
+
+    # NB: erase_fx.passes exports the pass function under the module's name
+    partition_joint_graph = importlib.import_module("erase_fx.passes.partition_joint_graph")
+    real = pipeline.merge_common_subexpressions
+    with Variant.parse("erase+step/late-cse").patched():
+        assert pipeline.merge_common_subexpressions is not real
+        assert partition_joint_graph.PARTITIONER_CSE is True
+        joint = trace_joint(Chain(3), *chain_inputs(), inner="inductor")
+        untouched = pipeline.merge_common_subexpressions(joint.gm, EraseConfig())
+        assert untouched.gm is joint.gm and not untouched.modified
+    assert pipeline.merge_common_subexpressions is real
+    assert partition_joint_graph.PARTITIONER_CSE is False
 
 
 def test_one_vocabulary_across_bench_and_its_tests():

@@ -1,5 +1,6 @@
-"""copy_input_values_per_block: a large value made from the labels alone, which every block's
-cross-entropy backward reads once CSE has merged their copies, is made by each block itself."""
+"""copy_input_values_per_block: a large value made from the labels alone in the forward (soft
+targets), which every block's loss and backward read once merged, is made by each block itself
+for its early backward."""
 import copy
 import importlib
 
@@ -17,12 +18,12 @@ from erase_fx.passes.copy_input_values_per_block import (
 from erase_fx.passes.graph import returned_values, val_of
 from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
 from erase_fx.report_text import format_report
-from graphs import Chain, Stages, assert_same_grads, chain_inputs
+from graphs import Chain, SoftLabelChain, Stages, assert_same_grads, chain_inputs
 
 # NB: erase_fx.passes exports the pass function under the module's name
 pass_module = importlib.import_module("erase_fx.passes.copy_input_values_per_block")
 
-CLASSES = 8192  # a batch of 64 x 8192 fp32 classes: a 2 MiB mask made from 64 labels
+CLASSES = 8192  # a batch of 64 x 8192 fp32 classes: 2 MiB of soft targets from 64 labels
 BATCH = 64
 
 
@@ -30,18 +31,18 @@ def wide_chain_stages(stages_on_side: bool | None = None, copy_input_values: boo
     torch.manual_seed(0)
     cfg = EraseConfig(inner="inductor", stages_on_side=stages_on_side,
                       copy_input_values=copy_input_values)
-    return Stages(Chain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES), cfg,
-                  inner="inductor")
+    return Stages(SoftLabelChain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
+                  cfg, inner="inductor")
 
 
 def large_cross_stream_reads(gm) -> list[tuple[str, str]]:
-    """(producer, reader) of every value of MIN_BYTES or more that a node reads from another
-    stream (what CUDA graph capture holds until the join), but those the forward returns
-    (saved for the backward: they live past the join anyway)."""
+    """(producer, reader) of every value of MIN_BYTES or more that an early node reads from
+    another stream (what CUDA graph capture holds until the join), but those the forward
+    returns (saved for the backward: they live past the join anyway)."""
     returned = returned_values(gm.graph)
     found = []
     for node in gm.graph.nodes:
-        if node.op in ("output", "placeholder"):
+        if node.op in ("output", "placeholder") or get_meta(node).role is not Role.EARLY_BACKWARD:
             continue
         for arg in node.all_input_nodes:
             value = val_of(arg)
@@ -122,7 +123,7 @@ def test_gradients_match_stock_inductor_with_copies(stages_on_side, monkeypatch)
 
     monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
     torch.manual_seed(1)
-    model = Chain(3, classes=CLASSES)
+    model = SoftLabelChain(3, classes=CLASSES)
     stock = copy.deepcopy(model)
     inputs = chain_inputs(batch=BATCH, classes=CLASSES)
     torch._dynamo.reset()
@@ -147,7 +148,7 @@ def test_dynamic_batch_sizes_are_copied_at_their_hints_and_stay_exact(monkeypatc
 
     monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
     torch.manual_seed(2)
-    model = Chain(3, classes=CLASSES)
+    model = SoftLabelChain(3, classes=CLASSES)
     stock = copy.deepcopy(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="erase", dynamic=True,
@@ -162,15 +163,15 @@ def test_dynamic_batch_sizes_are_copied_at_their_hints_and_stay_exact(monkeypatc
 
 
 def test_the_report_and_explain_say_what_each_block_copies():
-    (report,) = erase_fx.explain(Chain(3, classes=CLASSES), *chain_inputs(batch=BATCH,
-                                 classes=CLASSES), erase_options={"inner": "inductor"})
-    assert report.input_copies == 2  # the mask and its row sums
-    assert report.input_copy_bytes == BATCH * CLASSES * 4 + BATCH * 4
-    assert "each block makes its own copy of 2 values made from the inputs alone (2.0 MiB;" in (
+    (report,) = erase_fx.explain(SoftLabelChain(3, classes=CLASSES), *chain_inputs(
+        batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor"})
+    assert report.input_copies == 1  # the soft targets
+    assert report.input_copy_bytes == BATCH * CLASSES * 4
+    assert "each block makes its own copy of 1 value made from the inputs alone (2.0 MiB;" in (
         format_report(report))
     fallen = report.with_fallback("injected")
     assert fallen.input_copies == 0 and "own copy" not in format_report(fallen)
-    (shared,) = erase_fx.explain(Chain(3, classes=CLASSES), *chain_inputs(
+    (shared,) = erase_fx.explain(SoftLabelChain(3, classes=CLASSES), *chain_inputs(
         batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor",
                                                       "copy_input_values": False})
     assert shared.input_copies == 0 and "own copy" not in format_report(shared)

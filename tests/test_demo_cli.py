@@ -141,7 +141,7 @@ def test_explain_dump_writes_the_dump_and_the_table_shows_each_blocks_share(tmp_
     out = capsys.readouterr().out
     assert code == 0
     (graph,) = list((tmp_path / "dump").iterdir())
-    assert (graph / "report.json").exists() and (graph / "05_assign_streams.py").exists()
+    assert (graph / "report.json").exists() and (graph / "06_assign_streams.py").exists()
     assert f"dump written to {graph}{os.sep}" in out
     header = next(line for line in out.splitlines() if line.strip().startswith("block"))
     assert header.split() == ["block", "stream", "#params", "params", "ready", "after", "nodes",

@@ -24,9 +24,10 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
     names = sorted(p.name for p in graph.iterdir())
     stems = [n.split(".")[0] for n in names if n[0].isdigit()]
     assert sorted(set(stems)) == [
-        "00_joint", "01_find_stop_gradient_blocks", "02_schedule_early_backward",
-        "03_partition_joint_graph", "04_copy_input_values_per_block", "05_assign_streams",
-        "06_recompute_boundary_values", "07_split_segments", "08_bwd", "09_defer_grad_scaling",
+        "00_joint", "01_merge_common_subexpressions", "02_find_stop_gradient_blocks",
+        "03_schedule_early_backward", "04_partition_joint_graph",
+        "05_copy_input_values_per_block", "06_assign_streams", "07_recompute_boundary_values",
+        "08_split_segments", "09_bwd", "10_defer_grad_scaling",
     ]
     assert {"report.json", "timings.json"} <= set(names)
     assert ("schedule.dot" in names) == pydot_available()
@@ -36,19 +37,20 @@ def test_dump_has_one_numbered_file_per_pass_in_pipeline_order(tmp_path):
 
 def test_each_py_file_opens_with_its_step_pass_and_position(tmp_path):
     (graph,) = list(dump(tmp_path, "h").iterdir())
-    header = (graph / "02_schedule_early_backward.py").read_text().splitlines()[:4]
+    header = (graph / "03_schedule_early_backward.py").read_text().splitlines()[:4]
     assert header == [
-        "# erase_fx dump, step 02 of this graph's pipeline: pass schedule_early_backward",
-        "# pipeline so far: joint > find_stop_gradient_blocks > schedule_early_backward",
+        "# erase_fx dump, step 03 of this graph's pipeline: pass schedule_early_backward",
+        "# pipeline so far: joint > merge_common_subexpressions > find_stop_gradient_blocks > "
+        "schedule_early_backward",
         "# this file: the module the pass returned",
         "# time taken: see timings.json (kept out of this file so that two dumps diff clean)",
     ]
     joint = (graph / "00_joint.py").read_text()
     assert joint.startswith(
         "# erase_fx dump, step 00 of this graph's pipeline: joint (a recorded value, not a pass)\n")
-    bwd = (graph / "03_partition_joint_graph.bwd.py").read_text()
+    bwd = (graph / "04_partition_joint_graph.bwd.py").read_text()
     assert "# this file: the backward module\n" in bwd
-    segment = next(graph.glob("07_split_segments.seg_1_*.py"))
+    segment = next(graph.glob("08_split_segments.seg_1_*.py"))
     assert f"# this file: segment {segment.name.split('.')[1]} of the split module\n" in (
         segment.read_text())
     for path in graph.glob("*.py"):
@@ -60,11 +62,12 @@ def test_timings_are_in_their_own_file_not_in_the_headers(tmp_path):
     timings = json.loads((graph / "timings.json").read_text())
     assert timings["unit"] == "seconds"
     assert [t["pass"] for t in timings["passes"]] == [
-        "find_stop_gradient_blocks", "schedule_early_backward", "partition_joint_graph",
+        "merge_common_subexpressions", "find_stop_gradient_blocks", "schedule_early_backward",
+        "partition_joint_graph",
         "copy_input_values_per_block", "assign_streams", "recompute_boundary_values",
         "split_segments", "defer_grad_scaling",
     ]
-    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5, 6, 7, 9]
+    assert [t["step"] for t in timings["passes"]] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     assert all(t["seconds"] >= 0 for t in timings["passes"])
     assert timings["total"] == pytest.approx(sum(t["seconds"] for t in timings["passes"]),
                                              abs=1e-5)
@@ -103,7 +106,7 @@ def test_node_comments_say_which_nodes_are_a_stage_and_which_run_after_the_join(
         "inner": "aot_eager", "dump_dir": str(folder), "stages_on_side": True})
     compiled(*chain_inputs()).backward()
     (graph,) = list(folder.iterdir())
-    notes = [line for line in (graph / "05_assign_streams.py").read_text().splitlines()
+    notes = [line for line in (graph / "06_assign_streams.py").read_text().splitlines()
              if line.startswith("#   ")]
     stage = [line for line in notes if line.endswith(" stage")]
     assert stage and all("role=forward" in line and "stream=0" not in line for line in stage)
