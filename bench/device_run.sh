@@ -93,6 +93,12 @@
 #   bash bench/device_run.sh inplace-d bench.check_step's determinism-gpt: 2,000 steps of gpt:16 with
 #                                      its side streams writing in place, trained twice and on one
 #                                      stream, bitwise equal (~5 min, estimated)
+#   bash bench/device_run.sh cse-a     merge_common_subexpressions against the order before it
+#                                      (/late-cse) on gpt:16 and gpt:8 (time, step memory), then
+#                                      gpt:16's side 1 profiled with its code kept (~7 min)
+#   bash bench/device_run.sh cse-b     the same A/B on ctr:16384, mlp:512, DGL ResNet-18, DGL ViT (~9 min)
+#   bash bench/device_run.sh cse-c     compile_step exactness and the gpt race stress on the new
+#                                      pipeline (~5 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -210,7 +216,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -437,6 +443,30 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # twice and on one stream, bitwise equal
     timeout 560 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-gpt.log" ;;
+  cse-a)
+    # merge_common_subexpressions (each block's label mask its own, none saved for the
+    # backward) against the order before it (/late-cse), on the LM-head chains; then
+    # gpt:16's side 1 profiled, its code kept (does the loss value still come last?)
+    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/cse-a.json" --streams '' \
+      --configs gpt:16:384:256:8,gpt:8:768:1024:6 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/late-cse 2>&1 \
+      | grep -v '^erase_fx: graph' || true
+    timeout 150 python3 -m bench.memory_profile --top 3 --out "$OUT/cse-a-memprof.json" \
+      --keep-code /tmp/cse-a-code --keep-code-of "side 1" --configs gpt:16:384:256:8 \
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/cse-a-memprof.md"
+    tar czf "$OUT/cse-a-code.tgz" -C /tmp cse-a-code ;;
+  cse-b)
+    # after cse-a: the same A/B where the label masks are small (never slower, never more
+    # memory): ctr:16384, mlp:512, DGL ResNet-18, DGL ViT
+    timeout 560 python3 -m bench.run --budget-s 480 --out "$OUT/cse-b.json" --streams '' \
+      --configs ctr:16384:1024:2048:6,mlp:512:1024:2048:6,tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 \
+      --sweep-configs '' --trials 3 --variants inductor+step,erase+step,erase+step/late-cse 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  cse-c)
+    # after cse-a: compile_step's exactness against eager, and the race stress with memory
+    # reuse on gpt (multi-stream bit-identical to one stream, deterministic mode)
+    timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-cse-c.log" ;;
   mem-a)
     # overlap=False (the memory-first setting) and streams=2 where neither was measured
     timeout 580 python3 -m bench.run --budget-s 500 --out "$OUT/mem-a.json" --streams '' \

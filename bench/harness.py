@@ -61,7 +61,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/layouts-unpinned`` (no option: for the row, erase_fx's
   ``inductor_segments.pin_early_outputs_to_fx_layout`` does nothing, so early
   gradients leave their segments in whatever layout Inductor derives there, as
-  before that function: what keeping eager's memory format costs or saves).
+  before that function: what keeping eager's memory format costs or saves);
+  ``/late-cse`` (no option: erase_fx's joint graph is not merged by
+  ``merge_common_subexpressions`` before its blocks are cloned, and the stock
+  partitioner merges it after, as before that pass: what merging first saves).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -107,11 +110,26 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "early-optimizer": {"early_optimizer": True},
 }
+def _merge_nothing(gm: Any, cfg: Any) -> Any:
+    """``merge_common_subexpressions`` as if nothing merged (``/late-cse``)."""
+    from erase_fx.passes.merge_common_subexpressions import MergedSubexpressions, _placeholders
+    from erase_fx.passes.graph import output_values
+    from erase_fx.passes.pass_result import PassResult
+
+    return PassResult(gm, modified=False, artifact=MergedSubexpressions(
+        (), _placeholders(gm), len(output_values(gm.graph))))
+
+
 #: Each control that patches erase_fx for its row (an A/B of an internal choice that has no
-#: option): the module, the function, and what replaces it.
-PATCH_CONTROLS: dict[str, tuple[str, str, Callable[..., Any]]] = {
-    "layouts-unpinned": ("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
-                         lambda segment, indices: []),
+#: option): per patch, the module, the name, and what replaces it.
+PATCH_CONTROLS: dict[str, tuple[tuple[str, str, Any], ...]] = {
+    "layouts-unpinned": (("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
+                          lambda segment, indices: []),),
+    # NB: the order before merge_common_subexpressions: no merge before the blocks are
+    # cloned, the stock partitioner's CSE after
+    "late-cse": (("erase_fx.passes.pipeline", "merge_common_subexpressions", _merge_nothing),
+                 ("erase_fx.passes.pipeline", "check_merged", lambda result: None),
+                 ("erase_fx.passes.partition_joint_graph", "PARTITIONER_CSE", True)),
 }
 CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS, *PATCH_CONTROLS)
 
@@ -244,8 +262,7 @@ class Variant:
         """Inside: erase_fx with this variant's patch controls (``/layouts-unpinned``) applied."""
         with contextlib.ExitStack() as stack:
             for one in self.controls:
-                if one in PATCH_CONTROLS:
-                    module, name, replacement = PATCH_CONTROLS[one]
+                for module, name, replacement in PATCH_CONTROLS.get(one, ()):
                     stack.enter_context(
                         unittest.mock.patch.object(importlib.import_module(module), name,
                                                    replacement))
