@@ -99,6 +99,9 @@
 #   bash bench/device_run.sh cse-b     the same A/B on ctr:16384, mlp:512, DGL ResNet-18, DGL ViT (~9 min)
 #   bash bench/device_run.sh cse-c     compile_step exactness and the gpt race stress on the new
 #                                      pipeline (~5 min)
+#   bash bench/device_run.sh sched-c   gpt:16's side 1: its code and Inductor's scheduler IR (before
+#                                      and after fusion), default and /forward-first (~4 min,
+#                                      not yet run)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -216,7 +219,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -467,6 +470,17 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # reuse on gpt (multi-stream bit-identical to one stream, deterministic mode)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-cse-c.log" ;;
+  sched-c)
+    # why gpt:16's side 1 computes its loss value last even when its FX graph computes it
+    # first (/forward-first): side 1's code with Inductor's scheduler IR before and after
+    # fusion, for the default and /forward-first
+    for v in erase+step erase+step/forward-first; do
+      dir=/tmp/sched-c/${v//[\/+]/-}
+      timeout 200 python3 -m bench.memory_profile --top 3 --keep-code "$dir" --keep-ir \
+        --keep-code-of "side 1" --configs gpt:16:384:256:8 --variants "$v" 2>&1 \
+        | grep -v '^erase_fx: graph' | tee -a "$OUT/sched-c.md" || true
+    done
+    tar czf "$OUT/sched-c-code.tgz" -C /tmp sched-c ;;
   mem-a)
     # overlap=False (the memory-first setting) and streams=2 where neither was measured
     timeout 580 python3 -m bench.run --budget-s 500 --out "$OUT/mem-a.json" --streams '' \

@@ -64,7 +64,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   before that function: what keeping eager's memory format costs or saves);
   ``/late-cse`` (no option: erase_fx's joint graph is not merged by
   ``merge_common_subexpressions`` before its blocks are cloned, and the stock
-  partitioner merges it after, as before that pass: what merging first saves).
+  partitioner merges it after, as before that pass: what merging first saves);
+  ``/forward-first`` (no option: each block's forward nodes, its loss value
+  among them, ahead of its early backward in its side segment,
+  `bench.order_experiments`).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -87,6 +90,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from bench.order_experiments import launch_order_forward_first
 
 COMPILERS = ("eager", "paper", "inductor", "reduce-overhead", "erase")
 #: capture -> the compilers it applies to.
@@ -127,6 +132,8 @@ PATCH_CONTROLS: dict[str, tuple[tuple[str, str, Any], ...]] = {
                           lambda segment, indices: []),),
     # NB: the order before merge_common_subexpressions: no merge before the blocks are
     # cloned, the stock partitioner's CSE after
+    "forward-first": (("erase_fx.passes.split_segments", "_launch_order",
+                       launch_order_forward_first),),
     "late-cse": (("erase_fx.passes.pipeline", "merge_common_subexpressions", _merge_nothing),
                  ("erase_fx.passes.pipeline", "check_merged", lambda result: None),
                  ("erase_fx.passes.partition_joint_graph", "PARTITIONER_CSE", True)),

@@ -20,6 +20,13 @@ streams), ``update N`` (the early optimizer's update streams), else by
 number. The pure parts (`pool_by_stream`, `high_water_marks`) take a
 snapshot dict and have CPU tests; the run needs a GPU.
 
+``--keep-code DIR`` copies the generated files those allocations were made in;
+with ``--keep-ir`` each comes with Inductor's scheduler IR of its graph, before
+and after fusion (``<file>.ir_pre_fusion.txt``, ``.ir_post_fusion.txt``: the
+nodes in the order the scheduler holds them, from Inductor's debug trace,
+matched to the file by its code, `debug_ir_of`), to read why a kernel runs
+where it does.
+
 Example (the H200's figures are in ``bench/results``)::
 
     python -m bench.memory_profile --configs gpt:16:384:256:8 \\
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import gc
 import json
@@ -37,6 +45,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -197,8 +206,30 @@ def generated_files(report: Sequence[StreamMemory], streams: Iterable[int] | Non
             for a in s.at_peak if a.source}
 
 
+#: The files of Inductor's debug trace (one folder per compiled graph) kept with a graph's
+#: generated code: the scheduler's nodes before and after fusion.
+IR_FILES = ("ir_pre_fusion.txt", "ir_post_fusion.txt")
+
+
+def debug_ir_of(code_path: str, trace_root: str) -> dict[str, str]:
+    """The IR files (`IR_FILES`, by name) of the graph whose generated code is ``code_path``:
+    from the folder under ``trace_root`` whose ``output_code.py`` has the same text (Inductor
+    writes the module it runs there). Empty when none matches."""
+    with open(code_path) as f:
+        code = f.read()
+    for folder, _, files in os.walk(trace_root):
+        if "output_code.py" not in files:
+            continue
+        with open(os.path.join(folder, "output_code.py")) as f:
+            if f.read() != code:
+                continue
+        return {name: os.path.join(folder, name) for name in IR_FILES if name in files}
+    return {}
+
+
 def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None = None,
-                    keep_streams: Sequence[str] | None = None) -> tuple[str, dict]:
+                    keep_streams: Sequence[str] | None = None,
+                    keep_ir: bool = False) -> tuple[str, dict]:
     """Build one variant's step with the allocator's history on; its report, as text and data."""
     from bench.harness import WARMUP_STEPS, Variant, build_step, set_tf32
     from bench.models import build_config, parse_config
@@ -209,9 +240,10 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
     torch.manual_seed(0)
     model, inputs = build_config(parse_config(cfg_text), torch.device("cuda"))
     set_tf32(True)
+    trace_root = tempfile.mkdtemp(prefix="memory_profile_trace_") if keep_ir else None
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     try:
-        with Variant.parse(variant).patched():
+        with Variant.parse(variant).patched(), _inductor_trace(trace_root):
             built = build_step(variant, model, inputs)
             for _ in range(WARMUP_STEPS):
                 built.step()
@@ -228,6 +260,11 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
             stream for stream, name in names.items() if name in keep_streams]
         for path in generated_files(report, streams):
             shutil.copy(path, keep_code)
+            if trace_root is not None:
+                for name, ir in debug_ir_of(path, trace_root).items():
+                    shutil.copy(ir, os.path.join(keep_code, f"{os.path.basename(path)}.{name}"))
+    if trace_root is not None:
+        shutil.rmtree(trace_root, ignore_errors=True)
     data = {"config": cfg_text, "variant": variant,
             "capture": built.capture_info(),
             "streams": [{"stream": names.get(s.stream, str(s.stream)), "pool_bytes": s.pool_bytes,
@@ -236,6 +273,20 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
                         for s in report]}
     del built, model, inputs, snapshot
     return text, data
+
+
+def _inductor_trace(root: str | None) -> Any:
+    """Inside: Inductor writes its debug trace under ``root`` (nothing when None). Its FX
+    graph cache is off there, so that every graph is compiled and traced."""
+    if root is None:
+        return contextlib.nullcontext()
+    import torch._dynamo.config as dynamo_config
+    from torch._inductor import config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(dynamo_config.patch(debug_dir_root=root))
+    stack.enter_context(inductor_config.patch({"trace.enabled": True, "fx_graph_cache": False}))
+    return stack
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-code-of", metavar="STREAMS",
                         help="with --keep-code: only the files of these streams, by the names the "
                              "report gives them (comma-separated: 'side 1,capture')")
+    parser.add_argument("--keep-ir", action="store_true",
+                        help="with --keep-code: each file's scheduler IR before and after fusion "
+                             "too (Inductor's debug trace; compiles without its FX graph cache)")
     args = parser.parse_args(argv)
+    if args.keep_ir and not args.keep_code:
+        parser.error("--keep-ir needs --keep-code DIR")
     if not torch.cuda.is_available():
         print("bench.memory_profile needs a CUDA device", file=sys.stderr)
         return 2
@@ -261,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 text, data = profile_variant(
                     cfg_text, variant, args.top, args.keep_code,
-                    args.keep_code_of.split(",") if args.keep_code_of else None)
+                    args.keep_code_of.split(",") if args.keep_code_of else None,
+                    keep_ir=args.keep_ir)
             except Exception as error:  # one variant's failure is reported, the run goes on
                 text, data = f"## {cfg_text} {variant}: failed: {error!r}", {
                     "config": cfg_text, "variant": variant, "error": repr(error)}

@@ -90,3 +90,38 @@ def test_an_address_is_inside_a_pool_segment_from_its_start_to_before_its_end():
     ranges = [(0, 10), (20, 30)]
     inside = [a for a in (-1, 0, 9, 10, 15, 20, 29, 30) if memory_profile._inside(ranges, a)]
     assert inside == [0, 9, 20, 29]
+
+
+def test_debug_ir_of_finds_the_trace_folder_by_the_code_it_holds(tmp_path):
+    code = tmp_path / "generated.py"
+    code.write_text("def call(args): pass\n")
+    for name, text in (("graph_a", "other code\n"), ("graph_b", code.read_text())):
+        folder = tmp_path / "trace" / name
+        folder.mkdir(parents=True)
+        (folder / "output_code.py").write_text(text)
+        (folder / "ir_pre_fusion.txt").write_text(f"{name} pre\n")
+    found = memory_profile.debug_ir_of(str(code), str(tmp_path / "trace"))
+    assert {k: open(v).read() for k, v in found.items()} == {"ir_pre_fusion.txt": "graph_b pre\n"}
+    (tmp_path / "alone.py").write_text("no trace holds this\n")
+    assert memory_profile.debug_ir_of(str(tmp_path / "alone.py"), str(tmp_path / "trace")) == {}
+
+
+def test_inductors_trace_holds_the_ir_of_the_module_it_runs(tmp_path):
+    """Pins what --keep-ir reads of torch: with ``trace.enabled`` Inductor copies the module
+    it loads into its debug folder as ``output_code.py``, beside the scheduler's IR."""
+    import torch
+    from torch._inductor.codecache import PyCodeCache
+
+    torch._dynamo.reset()
+    with memory_profile._inductor_trace(str(tmp_path)):
+        fn = torch.compile(lambda x: (x.sin() * 2).sum(dim=0) + x.cos().amax(dim=0))
+        fn(torch.randn(64, 32))
+    torch._dynamo.reset()
+    loaded = [m.__file__ for m in PyCodeCache.modules]
+    found = [memory_profile.debug_ir_of(path, str(tmp_path)) for path in loaded]
+    assert any(set(ir) == set(memory_profile.IR_FILES) for ir in found), found
+
+
+def test_keep_ir_needs_keep_code():
+    with pytest.raises(SystemExit):
+        memory_profile.main(["--keep-ir"])
