@@ -123,10 +123,10 @@ class EraseConfig:
         copy_input_values: each early block makes its own copy of a large
             value made from the graph's inputs alone that other blocks (or the
             forward) read too (``True``, default), instead of sharing one
-            (`passes/copy_input_values_per_block.py`): the stock partitioner's
-            CSE merges, say, every block's cross-entropy mask of the labels
-            (batch x classes, fp32) into one, which then lives through every
-            block under CUDA graph capture. The copies cost one elementwise
+            (`passes/copy_input_values_per_block.py`): merging common
+            subexpressions makes, say, every block's soft targets made from the
+            labels in the forward (batch x classes) one value, which then lives
+            through every block under CUDA graph capture. The copies cost one elementwise
             pass each (fused into the block's kernels with Inductor).
             ``False``: share them, as the partitioner left them.
         recompute_boundary_values: each block's segment (its head, local
