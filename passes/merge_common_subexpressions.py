@@ -134,12 +134,15 @@ def _mergeable(node: fx.Node) -> bool:
 
 
 def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` may write memory: an op with a mutable schema, or any call that is no
-    aten or prims op (a higher-order op may mutate without saying so)."""
-    if node.op != "call_function" or node.target is operator.getitem:
+    """Whether ``node`` may write memory: an op with a mutable schema, or a higher-order op
+    (it may mutate without saying so). Python arithmetic on sizes (``operator.mul`` of
+    symbols) writes none."""
+    if node.op != "call_function":
         return False
     target = node.target
-    return not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return isinstance(target, torch._ops.HigherOrderOperator)
 
 
 def _key(node: fx.Node, representative: dict[fx.Node, fx.Node], region: int) -> Any:

@@ -181,3 +181,18 @@ def test_the_stock_partitioner_reads_its_cse_setting_at_each_call():
                 gm, joint.joint_inputs, num_fwd_outputs=joint.num_fwd_outputs, **joint.kwargs)
         sizes[cse] = len(fw.graph.nodes) + len(bw.graph.nodes)
     assert sizes[True] < sizes[False]
+
+
+def test_a_higher_order_op_is_taken_for_a_mutation_and_size_arithmetic_is_not():
+    graph, x, _ = joint_graph()
+    size = graph.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    doubled = graph.call_function(operator.mul, (size, 2))
+    before = graph.call_function(aten.cos.default, (x,))
+    again = graph.call_function(aten.cos.default, (x,))
+    assert merged_names(graph, [graph.call_function(aten.add.Tensor, (before, again)),
+                                doubled]) == (again.name,)
+    graph, x, _ = joint_graph()
+    before = graph.call_function(aten.cos.default, (x,))
+    graph.call_function(torch.ops.higher_order.run_and_save_rng_state, (aten.rand.default, [4]))
+    after = graph.call_function(aten.cos.default, (x,))
+    assert merged_names(graph, [graph.call_function(aten.add.Tensor, (before, after))]) == ()
