@@ -95,10 +95,12 @@
 #                                      stream, bitwise equal (~5 min, estimated)
 #   bash bench/device_run.sh cse-a     merge_common_subexpressions against the order before it
 #                                      (/late-cse) on gpt:16 and gpt:8 (time, step memory), then
-#                                      gpt:16's side 1 profiled with its code kept (~7 min)
-#   bash bench/device_run.sh cse-b     the same A/B on ctr:16384, mlp:512, DGL ResNet-18, DGL ViT (~9 min)
+#                                      gpt:16's side 1 profiled with its code kept (~5 min, ran
+#                                      2026-12-03)
+#   bash bench/device_run.sh cse-b     the same A/B on ctr:16384, mlp:512, DGL ResNet-18, DGL ViT
+#                                      (~8 min, ran 2026-12-03)
 #   bash bench/device_run.sh cse-c     compile_step exactness and the gpt race stress on the new
-#                                      pipeline (~5 min)
+#                                      pipeline (~3 min, ran 2026-12-03)
 #   bash bench/device_run.sh sched-c   gpt:16's side 1: its code and Inductor's scheduler IR (before
 #                                      and after fusion), default and /forward-first (~4 min,
 #                                      not yet run)
