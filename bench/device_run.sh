@@ -104,6 +104,8 @@
 #   bash bench/device_run.sh sched-c   gpt:16's side 1: its code and Inductor's scheduler IR (before
 #                                      and after fusion), default and /forward-first (~4 min,
 #                                      not yet run)
+#   bash bench/device_run.sh lag-a     release_lag 2 and 4 against the default on ctr:16384, the DGL
+#                                      ViT, DGL ResNet-18 and gpt:16 (~9 min, not yet run)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -221,7 +223,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -472,6 +474,15 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # reuse on gpt (multi-stream bit-identical to one stream, deterministic mode)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-cse-c.log" ;;
+  lag-a)
+    # release_lag on the current pipeline, where it has not been measured since 2026-12-01
+    # (ctr:16384 then: 1.30x of stock's step memory with release_lag=2 against 1.64x, at the
+    # same time): the models whose main-stream activations side streams read
+    timeout 570 python3 -m bench.run --budget-s 500 --out "$OUT/lag-a.json" --streams '' \
+      --configs ctr:16384:1024:2048:6,tv-vit-dgl:256:32,tv-resnet18-dgl:256:32,gpt:16:384:256:8 \
+      --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/release-lag=2,erase+step/release-lag=4 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   sched-c)
     # why gpt:16's side 1 computes its loss value last even when its FX graph computes it
     # first (/forward-first): side 1's code with Inductor's scheduler IR before and after
