@@ -47,8 +47,8 @@ living until the join; the main stream makes them otherwise.
 A forward node joins block ``b``'s head only if every reader of it is a node
 of block ``b``, the output, or a node that only feeds the output through such
 nodes (the loss sum); an early node that the main stream or another block
-reads (the stock partitioner's CSE can merge a block's ``t(w)`` with the
-forward's, or two blocks' seed constants) moves to the main stream (and from
+reads (`merge_common_subexpressions` makes a block's ``t(w)`` the
+forward's, as the stock partitioner's CSE would) moves to the main stream (and from
 there to the stage of the first block that needs it). So the main stream
 waits for a block only at the join, and a block's head and backward never
 wait for another block's.

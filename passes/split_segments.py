@@ -32,7 +32,7 @@ With the stages on side streams (``EraseConfig.stages_on_side``)::
     seg_4_stream_0                  the last stage, after seg_2's event
     seg_5_stream_0_after_join       the loss sum
 
-Why a stable reorder first: the stock partitioner's CSE or min-cut may leave
+Why a stable reorder first: the stock partitioner (min-cut) may leave
 a block's nodes interleaved with forward nodes; moving them next to their
 launch point keeps one segment per block (fewer compiled calls) and is legal
 because a block reads nothing of the main stream (or of a stage) after its
@@ -162,8 +162,8 @@ def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
 def pieces_of_side_nodes(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """The piece of each side-stream node: its own (`NodeMeta.piece`), else the first piece
     that reads it (a block's head runs with the first piece that needs it), else the last
-    piece it reads, else 0; and never before a piece it reads (the partitioner's CSE may
-    share a node between pieces)."""
+    piece it reads, else 0; and never before a piece it reads (a node merged by
+    `merge_common_subexpressions` may be shared between pieces)."""
     piece: dict[fx.Node, int | None] = {}
     for node in reversed(nodes):
         meta = get_meta(node)
