@@ -115,27 +115,17 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "early-optimizer": {"early_optimizer": True},
 }
-def _merge_nothing(gm: Any, cfg: Any) -> Any:
-    """``merge_common_subexpressions`` as if nothing merged (``/late-cse``)."""
-    from erase_fx.passes.merge_common_subexpressions import MergedSubexpressions, _placeholders
-    from erase_fx.passes.graph import output_values
-    from erase_fx.passes.pass_result import PassResult
-
-    return PassResult(gm, modified=False, artifact=MergedSubexpressions(
-        (), _placeholders(gm), len(output_values(gm.graph))))
-
-
 #: Each control that patches erase_fx for its row (an A/B of an internal choice that has no
 #: option): per patch, the module, the name, and what replaces it.
 PATCH_CONTROLS: dict[str, tuple[tuple[str, str, Any], ...]] = {
     "layouts-unpinned": (("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
                           lambda segment, indices: []),),
-    # NB: the order before merge_common_subexpressions: no merge before the blocks are
-    # cloned, the stock partitioner's CSE after
     "forward-first": (("erase_fx.passes.split_segments", "_launch_order",
                        launch_order_forward_first),),
-    "late-cse": (("erase_fx.passes.pipeline", "merge_common_subexpressions", _merge_nothing),
-                 ("erase_fx.passes.pipeline", "check_merged", lambda result: None),
+    # NB: the order before merge_common_subexpressions: no merge before the blocks are
+    # cloned (the pass finds no repeat), the stock partitioner's CSE after
+    "late-cse": (("erase_fx.passes.merge_common_subexpressions", "_duplicates",
+                  lambda graph: []),
                  ("erase_fx.passes.partition_joint_graph", "PARTITIONER_CSE", True)),
 }
 CONTROLS = (*CONTROL_OPTIONS, *STEP_CONTROL_OPTIONS, *PATCH_CONTROLS)

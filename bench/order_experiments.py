@@ -19,9 +19,9 @@ from __future__ import annotations
 import heapq
 import importlib
 
-import torch
 import torch.fx as fx
 
+from erase_fx.passes.graph import draws_random_numbers
 from erase_fx.passes.node_meta import get_meta, is_early
 
 # NB: erase_fx.passes exports the pass function under the module's name
@@ -57,8 +57,7 @@ def forward_first(nodes: list[fx.Node]) -> list[fx.Node]:
     early as its inputs allow: before the early backward nodes it does not read. Forward
     nodes keep their order among themselves, early nodes theirs; a block with a random op
     keeps its order (random ops draw in program order under ``aot_eager``)."""
-    if any(isinstance(n.target, torch._ops.OpOverload)
-           and torch.Tag.nondeterministic_seeded in n.target.tags for n in nodes):
+    if any(draws_random_numbers(n) for n in nodes):
         return nodes
     members = set(nodes)
     index = {n: i for i, n in enumerate(nodes)}

@@ -49,8 +49,8 @@ from erase_fx.passes.graph import (
     draws_random_numbers,
     is_tangent,
     is_view,
-    output_node,
     output_values,
+    returned_values,
 )
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
@@ -80,15 +80,15 @@ def merge_common_subexpressions(gm: fx.GraphModule,
     """``gm`` with its tangent-free common subexpressions merged; see the module docstring."""
     del cfg  # NB: no setting: the stock partitioner merges them too, always
     found = MergedSubexpressions((), _placeholders(gm), len(output_values(gm.graph)))
-    merged, _ = clone_module(gm)
-    pairs = _duplicates(merged.graph)
+    pairs = _duplicates(gm.graph)
     if not pairs:
         return PassResult(gm, modified=False, artifact=found)
+    merged, copy_of = clone_module(gm)
     removed = []
     for node, first in pairs:
-        node.replace_all_uses_with(first)
+        copy_of[node].replace_all_uses_with(copy_of[first])
         removed.append(node.name)
-        merged.graph.erase_node(node)
+        merged.graph.erase_node(copy_of[node])
     merged.graph.lint()
     merged.recompile()
     return PassResult(merged, modified=True,
@@ -165,15 +165,10 @@ def _key(node: fx.Node, representative: dict[fx.Node, fx.Node], region: int) -> 
 
 
 def _returned_storage(graph: fx.Graph) -> set[fx.Node]:
-    """The values an output is, and every value of their view chains (up to the base and
-    down to other views of it): they hold an output's memory."""
-    bases = set()
-    for value in output_node(graph).all_input_nodes:
-        while is_view(value) and value.all_input_nodes:
-            value = value.all_input_nodes[0]
-        bases.add(value)
-    held = set(bases)
-    stack = list(bases)
+    """The values an output is, and every value of their view chains (up to the base,
+    `returned_values`, and down to other views of it): they hold an output's memory."""
+    held = returned_values(graph)
+    stack = list(held)
     while stack:
         for user in stack.pop().users:
             if is_view(user) and user not in held:

@@ -142,14 +142,15 @@ def test_late_cse_restores_the_order_before_the_merge_for_its_row_only():
 
     # NB: erase_fx.passes exports the pass function under the module's name
     partition_joint_graph = importlib.import_module("erase_fx.passes.partition_joint_graph")
-    real = pipeline.merge_common_subexpressions
+    merge = importlib.import_module("erase_fx.passes.merge_common_subexpressions")
+    real = merge._duplicates
     with Variant.parse("erase+step/late-cse").patched():
-        assert pipeline.merge_common_subexpressions is not real
+        assert merge._duplicates is not real
         assert partition_joint_graph.PARTITIONER_CSE is True
         joint = trace_joint(Chain(3), *chain_inputs(), inner="inductor")
         untouched = pipeline.merge_common_subexpressions(joint.gm, EraseConfig())
         assert untouched.gm is joint.gm and not untouched.modified
-    assert pipeline.merge_common_subexpressions is real
+    assert merge._duplicates is real
     assert partition_joint_graph.PARTITIONER_CSE is False
 
 
