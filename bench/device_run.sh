@@ -102,10 +102,16 @@
 #   bash bench/device_run.sh cse-c     compile_step exactness and the gpt race stress on the new
 #                                      pipeline (~3 min, ran 2026-12-03)
 #   bash bench/device_run.sh sched-c   gpt:16's side 1: its code and Inductor's scheduler IR (before
-#                                      and after fusion), default and /forward-first (~4 min,
-#                                      not yet run)
+#                                      and after fusion), default and /forward-first (the bench
+#                                      row that preceded split_segments.forward_first; ~2 min,
+#                                      ran 2026-12-03)
 #   bash bench/device_run.sh lag-a     release_lag 2 and 4 against the default on ctr:16384, the DGL
-#                                      ViT, DGL ResNet-18 and gpt:16 (~9 min, not yet run)
+#                                      ViT, DGL ResNet-18 and gpt:16 (~9 min, ran 2026-12-03)
+#   bash bench/device_run.sh order-a   split_segments.forward_first against the partitioner's order
+#                                      (/partitioner-order) on gpt:16 and gpt:8 (time, step
+#                                      memory), then gpt:16's streams profiled (~8 min)
+#   bash bench/device_run.sh order-b   after order-a: compile_step exact against eager, and the gpt
+#                                      race stress (2,000 steps, bitwise) on the new order (~4 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -223,7 +229,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -486,7 +492,9 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
   sched-c)
     # why gpt:16's side 1 computes its loss value last even when its FX graph computes it
     # first (/forward-first): side 1's code with Inductor's scheduler IR before and after
-    # fusion, for the default and /forward-first
+    # fusion, for the default and /forward-first. Answer: /forward-first changed nothing on
+    # the GPU (the same code), since it kept the order of any block with a random op, and
+    # cuDNN attention's backward is tagged as one; split_segments.forward_first replaced it
     for v in erase+step erase+step/forward-first; do
       dir=/tmp/sched-c/${v//[\/+]/-}
       timeout 200 python3 -m bench.memory_profile --top 3 --keep-code "$dir" --keep-ir \
@@ -494,6 +502,22 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
         | grep -v '^erase_fx: graph' | tee -a "$OUT/sched-c.md" || true
     done
     tar czf "$OUT/sched-c-code.tgz" -C /tmp sched-c ;;
+  order-a)
+    # each block's loss value before its early backward (split_segments.forward_first), against
+    # the partitioner's order: the gpt chains, whose side streams held the logits and their
+    # gradient at once; then gpt:16's streams (high-water marks, what is alive there)
+    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/order-a.json" --streams '' \
+      --configs gpt:16:384:256:8,gpt:8:768:1024:6 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/partitioner-order 2>&1 \
+      | grep -v '^erase_fx: graph' || true
+    for v in erase+step erase+step/partitioner-order; do
+      timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt:16:384:256:8 \
+        --variants "$v" 2>&1 | grep -v '^erase_fx: graph\|debug trace' \
+        | tee -a "$OUT/order-a-memprof-gpt.md" || true
+    done ;;
+  order-b)
+    timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-order-b.log" ;;
   mem-a)
     # overlap=False (the memory-first setting) and streams=2 where neither was measured
     timeout 580 python3 -m bench.run --budget-s 500 --out "$OUT/mem-a.json" --streams '' \

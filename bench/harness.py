@@ -65,9 +65,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/late-cse`` (no option: erase_fx's joint graph is not merged by
   ``merge_common_subexpressions`` before its blocks are cloned, and the stock
   partitioner merges it after, as before that pass: what merging first saves);
-  ``/forward-first`` (no option: each block's forward nodes, its loss value
-  among them, ahead of its early backward in its side segment,
-  `bench.order_experiments`).
+  ``/partitioner-order`` (no option: each block's side segment in the
+  partitioner's order, its loss value after its early backward, as before
+  ``split_segments.forward_first``: what computing the loss value first saves).
 
 So ``erase+step+adam`` is erase inside ``compile_step`` with Adam in the step,
 ``erase+step/one-stream`` its no-overlap control. `Variant.parse` reads a name
@@ -90,8 +90,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from bench.order_experiments import launch_order_forward_first
 
 COMPILERS = ("eager", "paper", "inductor", "reduce-overhead", "erase")
 #: capture -> the compilers it applies to.
@@ -120,8 +118,8 @@ STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
 PATCH_CONTROLS: dict[str, tuple[tuple[str, str, Any], ...]] = {
     "layouts-unpinned": (("erase_fx.emit.inductor_segments", "pin_early_outputs_to_fx_layout",
                           lambda segment, indices: []),),
-    "forward-first": (("erase_fx.passes.split_segments", "_launch_order",
-                       launch_order_forward_first),),
+    "partitioner-order": (("erase_fx.passes.split_segments", "forward_first",
+                           lambda nodes: nodes),),
     # NB: the order before merge_common_subexpressions: no merge before the blocks are
     # cloned (the pass finds no repeat), the stock partitioner's CSE after
     "late-cse": (("erase_fx.passes.merge_common_subexpressions", "_duplicates",

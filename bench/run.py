@@ -28,7 +28,7 @@ variant. Variant names follow one grammar (`bench.harness`):
   on the main stream (what the overlap alone is worth); the others are
   listed in `bench.harness` (options such as ``/streams=2``, compile_step's
   ``/early-optimizer``, and ``/layouts-unpinned``, ``/late-cse`` and
-  ``/forward-first``, which patch erase_fx for their row).
+  ``/partitioner-order``, which patch erase_fx for their row).
 
 Configs (`bench.models.parse_config`): detached chains ``kind:B:d:h:K``
 (`CONFIGS`, the default; towers too), transformer chains ``gpt:B:d:T:K``

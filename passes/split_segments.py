@@ -8,12 +8,13 @@ segments in launch order, plus a `Segment` record for each.
 Order: main-stream nodes keep their order, and so do the nodes of blocks'
 stages (`NodeMeta.stage`: the forward itself, on a block's side stream),
 each stage a segment of its own; each block's other nodes (its head, local
-loss and early backward) form one segment, launched right after the
-segment that ends with the block's launch point (the last main or stage
-node it reads); a block in pieces (``NodeMeta.piece``) launches a segment per piece,
-each at its own launch point and never before the piece before it (one
-stream runs them in order); main nodes that run after the join (the loss
-sum) form the last segment. So the main stream is cut only where a block becomes ready::
+loss and early backward, the forward ones first: `forward_first`) form
+one segment, launched right after the segment that ends with the
+block's launch point (the last main or stage node it reads); a block in
+pieces (``NodeMeta.piece``) launches a segment per piece, each at its own
+launch point and never before the piece before it (one stream runs them in
+order); main nodes that run after the join (the loss sum) form the last
+segment. So the main stream is cut only where a block becomes ready::
 
     seg_0_stream_0              stage 0 forward
     seg_1_block_0_stream_1      head 0, loss 0, block 0's backward   (side stream 1)
@@ -48,6 +49,7 @@ outputs it reads.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import operator
 
@@ -56,8 +58,8 @@ from torch.fx.passes.split_module import split_module
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.graph import output_descriptors, rebuild_in_order
-from erase_fx.passes.node_meta import MAIN_STREAM, get_meta
+from erase_fx.passes.graph import draws_random_numbers, output_descriptors, rebuild_in_order
+from erase_fx.passes.node_meta import MAIN_STREAM, get_meta, is_early
 from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
 
 PASS_NAME = "split_segments"
@@ -206,6 +208,7 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
             launch_after[(block, piece)] = max(launch_after[(block, piece)],
                                                launch_after[(block, piece - 1)])
 
+    block_nodes = {key: forward_first(members) for key, members in block_nodes.items()}
     launches: dict[int, list[tuple[int, int]]] = {}
     for block in sorted(block_nodes):
         launches.setdefault(launch_after[block], []).append(block)
@@ -247,6 +250,48 @@ def _launch_order(gm: fx.GraphModule) -> list[fx.Node]:
                 ordered.extend(block_nodes[block])
     rest = [n for n in nodes if n in deferred and n not in emitted]
     return ordered + rest + after_join + [n for n in nodes if n.op == "output"]
+
+
+def forward_first(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` (one block piece's side-stream nodes, in graph order) with each forward node
+    as early as its inputs allow: ahead of the early backward nodes it does not read.
+
+    Why: the partitioner leaves a block's loss *value* (the scalar its local loss
+    returns, which the early backward does not read) after the block's whole early
+    backward. Inductor then computes it last in the segment, reading the logits at
+    each row's target, so the logits live through the backward and their gradient
+    cannot be written over them (two batch x vocabulary values at once on a side
+    stream: 2 x 64 MiB a block on gpt:16:384:256:8). Computed first, the loss value
+    leaves the gradient kernel the logits' last reader.
+
+    Forward nodes keep their order among themselves, early nodes theirs, and the
+    ops that draw random numbers (`draws_random_numbers`: dropout, and attention
+    kernels that take a seed, cuDNN's backward among them) keep theirs among all
+    nodes: under ``aot_eager`` they draw from one generator in program order.
+    """
+    members = set(nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: sum(1 for a in n.all_input_nodes if a in members) for n in nodes}
+    random = [n for n in nodes if draws_random_numbers(n)]
+    next_random = dict(zip(random, random[1:]))
+    for node in random[1:]:
+        waiting[node] += 1
+    ready = [(is_early(n), index[n]) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        node = nodes[heapq.heappop(ready)[1]]
+        ordered.append(node)
+        followers = [u for u in node.users if u in members]
+        if node in next_random:
+            followers.append(next_random[node])
+        for follower in followers:
+            waiting[follower] -= 1
+            if waiting[follower] == 0:
+                heapq.heappush(ready, (is_early(follower), index[follower]))
+    if len(ordered) != len(nodes):
+        raise GraphInvariantError(PASS_NAME, "a block's side nodes are not in topological order")
+    return ordered
 
 
 def _feeding_mutations_only(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -1,5 +1,7 @@
 """split_segments: launch order, one stream per segment, same values as the unsplit forward."""
+import importlib
 import re
+import unittest.mock
 
 import torch
 
@@ -7,6 +9,8 @@ import pytest
 
 from erase_fx.config import EraseConfig
 from erase_fx.passes import MAIN_STREAM
+from erase_fx.passes.node_meta import NodeMeta, Role, is_early
+from erase_fx.passes.split_segments import forward_first
 from graphs import (
     Chain,
     Stages,
@@ -134,3 +138,61 @@ def test_batchnorm_statistics_updates_do_not_cut_a_stage_into_pieces(inner):
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     assert_outputs_close(list(stages.segmented.gm(*args)), list(stages.fw(*args)))
+
+
+def late_forward_nodes(stages: Stages) -> list[list[str]]:
+    """Per block segment, the forward nodes that read no early node yet come after the first
+    early node (in the partitioner's order: the block's loss value)."""
+    late = []
+    for segment in stages.segmented.segments:
+        if segment.block is None or segment.stage:
+            continue
+        nodes = [n for n in getattr(stages.segmented.gm, segment.name).graph.nodes
+                 if n.op == "call_function"]
+        first_early = min(i for i, n in enumerate(nodes) if is_early(n))
+        reads_early = set()
+        for n in nodes:
+            if is_early(n) or any(a in reads_early for a in n.all_input_nodes):
+                reads_early.add(n)
+        late.append([n.name for n in nodes[first_early:] if n not in reads_early])
+    return late
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_blocks_loss_value_comes_before_its_early_backward(inner):
+    """Computed after the early backward, the loss value is the logits' last reader and
+    keeps them alive through the backward (Inductor cannot write their gradient over
+    them); the partitioner's order puts it there, each block segment must not."""
+    def stages():
+        torch.manual_seed(0)
+        return Stages(Chain(3), chain_inputs(), EraseConfig(inner=inner), inner=inner)
+
+    module = importlib.import_module("erase_fx.passes.split_segments")
+    with unittest.mock.patch.object(module, "forward_first", lambda nodes: nodes):
+        partitioner_order = late_forward_nodes(stages())
+    assert len(partitioner_order) == 2 and all(partitioner_order), partitioner_order
+    assert late_forward_nodes(stages()) == [[], []]
+
+
+def _node(graph, target, role, *args):
+    node = graph.call_function(target, args)
+    node.meta["erase_fx"] = NodeMeta(role, block=0)
+    return node
+
+
+def test_forward_first_moves_forward_nodes_but_keeps_random_ops_in_program_order():
+    """Random ops draw from one generator in program order under aot_eager: they keep their
+    order among themselves (an early one before a forward one), other nodes move."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    late = _node(graph, torch.ops.aten.neg.default, Role.EARLY_BACKWARD, x)
+    plain = _node(graph, torch.ops.aten.relu.default, Role.FORWARD, x)
+    assert forward_first([late, plain]) == [plain, late]
+
+    early_noise = _node(graph, torch.ops.aten.rand_like.default, Role.EARLY_BACKWARD, x)
+    forward_noise = _node(graph, torch.ops.aten.rand_like.default, Role.FORWARD, x)
+    assert forward_first([early_noise, forward_noise, plain]) == [
+        plain, early_noise, forward_noise]
+    uses_noise = _node(graph, torch.ops.aten.add.Tensor, Role.FORWARD, forward_noise, x)
+    assert forward_first([early_noise, late, forward_noise, uses_noise]) == [
+        early_noise, forward_noise, uses_noise, late]
