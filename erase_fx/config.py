@@ -97,7 +97,10 @@ class EraseConfig:
             busy stalls: on an H200 ``release_lag=1`` passed the 2,000-step
             race stress, and ran 1.04-1.07x of stock's step on the small
             chains where the default runs 0.80-0.86x, for little memory
-            (``bench/results/2026-12-01-b-NOTES.md``). Outside capture the
+            (``bench/results/2026-12-01-b-NOTES.md``); ``release_lag=2`` took
+            the DGL ViT from 1.34x to 0.88x of stock's step memory for 1% of
+            time, and slowed DGL ResNet-18 by 12% for nothing
+            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). Outside capture the
             caching allocator frees every tensor as soon as its last reader is
             done, whatever this says (see
             `erase_fx.emit.release`).
