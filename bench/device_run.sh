@@ -111,7 +111,11 @@
 #                                      (/partitioner-order) on gpt:16 and gpt:8 (time, step
 #                                      memory), then gpt:16's streams profiled (~8 min)
 #   bash bench/device_run.sh order-b   after order-a: compile_step exact against eager, and the gpt
-#                                      race stress (2,000 steps, bitwise) on the new order (~4 min)
+#                                      race stress (2,000 steps, bitwise) on the new order (~4 min,
+#                                      ran 2026-12-03)
+#   bash bench/device_run.sh pool-a    where the side streams' pools outgrow their high-water marks
+#                                      (each growth made while the request's size was free: which
+#                                      allocation) on gpt:16 and the DGL ViT (~4 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -229,7 +233,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -514,6 +518,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt:16:384:256:8 \
         --variants "$v" 2>&1 | grep -v '^erase_fx: graph\|debug trace' \
         | tee -a "$OUT/order-a-memprof-gpt.md" || true
+    done ;;
+  pool-a)
+    for cfg in gpt:16:384:256:8 tv-vit-dgl:256:32; do
+      timeout 140 python3 -m bench.memory_profile --top 3 --configs "$cfg" --variants erase+step \
+        --out "$OUT/pool-a-${cfg%%:*}.json" 2>&1 | grep -v '^erase_fx: graph' \
+        | tee -a "$OUT/pool-a.md" || true
     done ;;
   order-b)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \

@@ -12,7 +12,11 @@ snapshot and says, for every stream that allocated in a CUDA graph pool:
 - the most bytes it had alive at once during capture (its high-water mark),
   and the largest allocations alive at that moment, each with the line that
   made it (Inductor's generated code shows the buffer, its shape and dtype)
-  and the erase_fx function it ran under, if any.
+  and the erase_fx function it ran under, if any;
+- where its pool is larger than its high-water mark (the slack): each time
+  the pool grew by a segment while at least as much as the request was free
+  in it (`pool_growths`: the free memory was cut into pieces too small, so
+  the allocator made a new segment), with the allocation that grew it.
 
 Streams are named where the script knows them: ``main`` (the caller's),
 ``capture`` (``compile_step``'s capture stream), ``side N`` (erase's side
@@ -165,6 +169,67 @@ def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """One new segment of a stream's graph pool during capture, and the allocation it served.
+
+    ``free_before`` is the stream's pool memory not alive when the segment was
+    made: at least ``request`` of it means the pool had room in total but no
+    free block large enough (fragmentation); less means the stream needed more.
+    """
+
+    stream: int
+    segment: int
+    request: int
+    held_before: int
+    free_before: int
+    made_by: str
+    under: str
+
+    @property
+    def fragmented(self) -> bool:
+        return self.request > 0 and self.free_before >= self.request
+
+
+def pool_growths(snapshot: Mapping[str, Any],
+                 describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str, str]]
+                 = describe_frames) -> list[Growth]:
+    """Every segment the graph pools gained, in order, with the stream's free pool memory
+    then and the first allocation placed in it (the one that asked for it)."""
+    ranges = _pool_ranges(snapshot)
+    starts = {start for start, _ in ranges}
+    growths: list[Growth] = []
+    for trace in snapshot.get("device_traces", []):
+        first = next((k for k, e in enumerate(trace)
+                      if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
+        held: dict[int, int] = {}
+        alive: dict[int, dict[int, int]] = {}
+        waiting: dict[int, Mapping[str, Any]] = {}  # stream -> its new segment's entry
+        for entry in trace[first:] if first is not None else ():
+            action, address = entry.get("action"), entry.get("addr", -1)
+            if not _inside(ranges, address):
+                continue
+            stream = entry["stream"]
+            blocks = alive.setdefault(stream, {})
+            if action == "segment_alloc":
+                waiting[stream] = {**entry, "held": held.get(stream, 0),
+                                   "alive": sum(blocks.values())}
+                held[stream] = held.get(stream, 0) + entry["size"]
+            elif action == "alloc":
+                blocks[address] = entry["size"]
+                segment = waiting.get(stream)
+                if segment is not None and segment["addr"] <= address < (
+                        segment["addr"] + segment["size"]):
+                    del waiting[stream]
+                    made_by, under, _ = describe(entry.get("frames") or segment.get("frames", ()))
+                    growths.append(Growth(stream, segment["size"], entry["size"],
+                                          segment["held"], segment["held"] - segment["alive"],
+                                          made_by, under))
+            elif action == "free_completed":
+                blocks.pop(address, None)
+    return growths
+
+
 def stream_names(program: Any = None) -> dict[int, str]:
     """Names of the streams this process knows: the caller's, the capture's, erase's."""
     from erase_fx.emit import streams
@@ -181,7 +246,8 @@ def stream_names(program: Any = None) -> dict[int, str]:
     return names
 
 
-def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int, str]) -> str:
+def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int, str],
+                  growths: Sequence[Growth] = ()) -> str:
     total = sum(s.pool_bytes for s in report)
     lines = [f"## {title}: graph pools {total / MIB:.0f} MiB",
              "", "| stream | pool MiB | high-water MiB | largest alive then |", "|---|---|---|---|"]
@@ -195,6 +261,18 @@ def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int
         lines += ["", f"{names.get(s.stream, s.stream)} at its high-water mark:"]
         lines += [f"- {a.size / MIB:.1f} MiB {a.made_by}" + (f" (under {a.under})" if a.under else "")
                   for a in s.at_peak]
+    for s in report:
+        own = [g for g in growths if g.stream == s.stream]
+        fragmented = [g for g in own if g.fragmented]
+        if not fragmented:
+            continue
+        name = names.get(s.stream, s.stream)
+        lines += ["", f"{name}'s pool grew {len(own)} times, {len(fragmented)} of them with "
+                      f"the request's size free in it (fragmentation, "
+                      f"{sum(g.segment for g in fragmented) / MIB:.1f} MiB):"]
+        lines += [f"- +{g.segment / MIB:.1f} MiB for {g.request / MIB:.1f} MiB, "
+                  f"{g.free_before / MIB:.1f} of {g.held_before / MIB:.1f} MiB free: {g.made_by}"
+                  + (f" (under {g.under})" if g.under else "") for g in fragmented]
     return "\n".join(lines)
 
 
@@ -253,7 +331,8 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
         torch.cuda.memory._record_memory_history(enabled=None)
     names = stream_names(built.program)
     report = high_water_marks(snapshot, top=top)
-    text = format_report(f"{cfg_text} {variant}", report, names)
+    growths = pool_growths(snapshot)
+    text = format_report(f"{cfg_text} {variant}", report, names, growths)
     if keep_code:
         os.makedirs(keep_code, exist_ok=True)
         streams = None if not keep_streams else [
@@ -270,7 +349,9 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
             "streams": [{"stream": names.get(s.stream, str(s.stream)), "pool_bytes": s.pool_bytes,
                          "peak_bytes": s.peak_bytes,
                          "at_peak": [dataclasses.asdict(a) for a in s.at_peak]}
-                        for s in report]}
+                        for s in report],
+            "pool_growths": [{**dataclasses.asdict(g), "stream": names.get(g.stream, str(g.stream))}
+                             for g in growths]}
     del built, model, inputs, snapshot
     return text, data
 

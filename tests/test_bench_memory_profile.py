@@ -6,7 +6,14 @@ import os
 import pytest
 
 from bench import memory_profile
-from bench.memory_profile import Allocation, describe_frames, high_water_marks, pool_by_stream
+from bench.memory_profile import (
+    Allocation,
+    describe_frames,
+    format_report,
+    high_water_marks,
+    pool_by_stream,
+    pool_growths,
+)
 
 MAIN, SIDE = 11, 22
 POOL = (1, 0)
@@ -125,3 +132,31 @@ def test_inductors_trace_holds_the_ir_of_the_module_it_runs(tmp_path):
 def test_keep_ir_needs_keep_code():
     with pytest.raises(SystemExit):
         memory_profile.main(["--keep-ir"])
+
+
+def test_pool_growths_flag_a_segment_made_while_enough_was_free_in_pieces():
+    """Side: 600 in one segment; 400 and 100 taken, the 400 freed: 500 free but in two
+    pieces, so a 450 request takes a new segment (fragmentation); then a 700 request,
+    more than was free, grows the pool as a stream that needs more memory does."""
+    snapshot = {
+        "segments": [_segment(1000, 600, SIDE), _segment(2000, 500, SIDE),
+                     _segment(3000, 800, SIDE), _segment(5000, 4000, MAIN, pool=(0, 0))],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": 1000, "size": 600, "stream": SIDE},
+            _alloc(1000, 400, SIDE), _alloc(1400, 100, SIDE), _free(1000, 400, SIDE),
+            {"action": "segment_alloc", "addr": 2000, "size": 500, "stream": SIDE},
+            _alloc(2000, 450, SIDE, name="logits"),
+            {"action": "segment_alloc", "addr": 3000, "size": 800, "stream": SIDE},
+            _alloc(3000, 700, SIDE),
+            _alloc(6000, 3000, MAIN),  # the default pool: not a graph's
+        ]],
+    }
+    describe = lambda frames: (frames[0]["name"] if frames else "?", "", "")  # noqa: E731
+    growths = pool_growths(snapshot, describe=describe)
+    assert [(g.segment, g.request, g.held_before, g.free_before, g.fragmented)
+            for g in growths] == [(600, 400, 0, 0, False), (500, 450, 600, 500, True),
+                                  (800, 700, 1100, 550, False)]
+    assert growths[1].made_by == "logits"
+    report = high_water_marks(snapshot, describe=lambda frames: ("made", "", ""))
+    text = format_report("t", report, {SIDE: "side 1"}, growths)
+    assert "side 1's pool grew 3 times, 1 of them with the request's size free" in text
