@@ -115,7 +115,8 @@
 #                                      ran 2026-12-03)
 #   bash bench/device_run.sh pool-a    where the side streams' pools outgrow their high-water marks
 #                                      (each growth made while the request's size was free: which
-#                                      allocation) on gpt:16 and the DGL ViT (~4 min)
+#                                      allocation) on gpt:16 and the DGL ViT (~2 min; ran 2026-12-03
+#                                      with the first pool_growths, whose lists were wrong: run again)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)

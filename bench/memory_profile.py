@@ -14,9 +14,10 @@ snapshot and says, for every stream that allocated in a CUDA graph pool:
   made it (Inductor's generated code shows the buffer, its shape and dtype)
   and the erase_fx function it ran under, if any;
 - where its pool is larger than its high-water mark (the slack): each time
-  the pool grew by a segment while at least as much as the request was free
-  in it (`pool_growths`: the free memory was cut into pieces too small, so
-  the allocator made a new segment), with the allocation that grew it.
+  the pool grew by a large segment while at least as much as the request was
+  free in its large segments (`pool_growths`: the free memory was cut into
+  pieces too small, so the allocator made a new segment), with the
+  allocation that grew it.
 
 Streams are named where the script knows them: ``main`` (the caller's),
 ``capture`` (``compile_step``'s capture stream), ``side N`` (erase's side
@@ -169,13 +170,21 @@ def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
     return report
 
 
+#: The native allocator's small blocks (requests up to 1 MiB) live in 2 MiB segments of their
+#: own; the rest share the large segments. Free memory of one kind cannot serve the other.
+SMALL_REQUEST = 2**20
+SMALL_SEGMENT = 2 * 2**20
+
+
 @dataclasses.dataclass(frozen=True)
 class Growth:
-    """One new segment of a stream's graph pool during capture, and the allocation it served.
+    """One new large segment of a stream's graph pool during capture, and the allocation it
+    served.
 
-    ``free_before`` is the stream's pool memory not alive when the segment was
-    made: at least ``request`` of it means the pool had room in total but no
-    free block large enough (fragmentation); less means the stream needed more.
+    ``free_before`` is the stream's large-segment memory not alive when the
+    segment was made: at least ``request`` of it means the pool had room in
+    total but no free block large enough (fragmentation); less means the
+    stream needed more.
     """
 
     stream: int
@@ -188,17 +197,20 @@ class Growth:
 
     @property
     def fragmented(self) -> bool:
-        return self.request > 0 and self.free_before >= self.request
+        return self.free_before >= self.request
 
 
 def pool_growths(snapshot: Mapping[str, Any],
                  describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str, str]]
                  = describe_frames) -> list[Growth]:
-    """Every segment the graph pools gained, in order, with the stream's free pool memory
-    then and the first allocation placed in it (the one that asked for it)."""
+    """Every large segment the graph pools gained, in order, with the stream's free
+    large-segment memory then and the first allocation placed in it (the one that asked for
+    it). Small blocks (`SMALL_REQUEST`) and their segments are left out; a segment freed
+    (an earlier graph's, at an address a pool holds now) takes its blocks and its growth
+    with it."""
     ranges = _pool_ranges(snapshot)
     starts = {start for start, _ in ranges}
-    growths: list[Growth] = []
+    growths: dict[int, Growth] = {}  # by segment address, in order
     for trace in snapshot.get("device_traces", []):
         first = next((k for k, e in enumerate(trace)
                       if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
@@ -209,25 +221,32 @@ def pool_growths(snapshot: Mapping[str, Any],
             action, address = entry.get("action"), entry.get("addr", -1)
             if not _inside(ranges, address):
                 continue
-            stream = entry["stream"]
+            stream, size = entry["stream"], entry.get("size", 0)
             blocks = alive.setdefault(stream, {})
+            if action in ("segment_alloc", "segment_free") and size == SMALL_SEGMENT:
+                continue
             if action == "segment_alloc":
                 waiting[stream] = {**entry, "held": held.get(stream, 0),
                                    "alive": sum(blocks.values())}
-                held[stream] = held.get(stream, 0) + entry["size"]
-            elif action == "alloc":
-                blocks[address] = entry["size"]
+                held[stream] = held.get(stream, 0) + size
+            elif action == "segment_free":
+                held[stream] = held.get(stream, 0) - size
+                growths.pop(address, None)
+                for block in [b for b in blocks if address <= b < address + size]:
+                    del blocks[block]
+            elif action == "alloc" and size > SMALL_REQUEST:
+                blocks[address] = size
                 segment = waiting.get(stream)
                 if segment is not None and segment["addr"] <= address < (
                         segment["addr"] + segment["size"]):
                     del waiting[stream]
                     made_by, under, _ = describe(entry.get("frames") or segment.get("frames", ()))
-                    growths.append(Growth(stream, segment["size"], entry["size"],
-                                          segment["held"], segment["held"] - segment["alive"],
-                                          made_by, under))
+                    growths[segment["addr"]] = Growth(
+                        stream, segment["size"], size, segment["held"],
+                        segment["held"] - segment["alive"], made_by, under)
             elif action == "free_completed":
                 blocks.pop(address, None)
-    return growths
+    return list(growths.values())
 
 
 def stream_names(program: Any = None) -> dict[int, str]:
@@ -267,8 +286,8 @@ def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int
         if not fragmented:
             continue
         name = names.get(s.stream, s.stream)
-        lines += ["", f"{name}'s pool grew {len(own)} times, {len(fragmented)} of them with "
-                      f"the request's size free in it (fragmentation, "
+        lines += ["", f"{name}'s pool grew by {len(own)} large segments, {len(fragmented)} of "
+                      f"them with the request's size free in the others (fragmentation, "
                       f"{sum(g.segment for g in fragmented) / MIB:.1f} MiB):"]
         lines += [f"- +{g.segment / MIB:.1f} MiB for {g.request / MIB:.1f} MiB, "
                   f"{g.free_before / MIB:.1f} of {g.held_before / MIB:.1f} MiB free: {g.made_by}"

@@ -135,28 +135,36 @@ def test_keep_ir_needs_keep_code():
 
 
 def test_pool_growths_flag_a_segment_made_while_enough_was_free_in_pieces():
-    """Side: 600 in one segment; 400 and 100 taken, the 400 freed: 500 free but in two
-    pieces, so a 450 request takes a new segment (fragmentation); then a 700 request,
-    more than was free, grows the pool as a stream that needs more memory does."""
+    """Side: 6 MiB in one segment; 4 and 1 MiB taken, the 4 freed: 5 MiB free but in two
+    pieces, so a 4.5 MiB request takes a new segment (fragmentation); then a 7 MiB request,
+    more than was free, grows the pool as a stream that needs more memory does. Small
+    blocks and their 2 MiB segments are left out; a freed segment takes its blocks along."""
+    M = 2**20
     snapshot = {
-        "segments": [_segment(1000, 600, SIDE), _segment(2000, 500, SIDE),
-                     _segment(3000, 800, SIDE), _segment(5000, 4000, MAIN, pool=(0, 0))],
+        "segments": [_segment(10 * M, 6 * M, SIDE), _segment(20 * M, 5 * M, SIDE),
+                     _segment(30 * M, 8 * M, SIDE), _segment(40 * M, 2 * M, SIDE),
+                     _segment(50 * M, 40 * M, MAIN, pool=(0, 0))],
         "device_traces": [[
-            {"action": "segment_alloc", "addr": 1000, "size": 600, "stream": SIDE},
-            _alloc(1000, 400, SIDE), _alloc(1400, 100, SIDE), _free(1000, 400, SIDE),
-            {"action": "segment_alloc", "addr": 2000, "size": 500, "stream": SIDE},
-            _alloc(2000, 450, SIDE, name="logits"),
-            {"action": "segment_alloc", "addr": 3000, "size": 800, "stream": SIDE},
-            _alloc(3000, 700, SIDE),
-            _alloc(6000, 3000, MAIN),  # the default pool: not a graph's
+            {"action": "segment_alloc", "addr": 30 * M, "size": 8 * M, "stream": SIDE},
+            _alloc(30 * M, 8 * M, SIDE),  # an earlier graph's segment, freed below
+            {"action": "segment_free", "addr": 30 * M, "size": 8 * M, "stream": SIDE},
+            {"action": "segment_alloc", "addr": 10 * M, "size": 6 * M, "stream": SIDE},
+            _alloc(10 * M, 4 * M, SIDE), _alloc(14 * M, 1.5 * M, SIDE), _free(10 * M, 4 * M, SIDE),
+            {"action": "segment_alloc", "addr": 40 * M, "size": 2 * M, "stream": SIDE},
+            _alloc(40 * M, 512, SIDE),  # a small block: not counted
+            {"action": "segment_alloc", "addr": 20 * M, "size": 5 * M, "stream": SIDE},
+            _alloc(20 * M, 4.5 * M, SIDE, name="logits"),
+            {"action": "segment_alloc", "addr": 30 * M, "size": 8 * M, "stream": SIDE},
+            _alloc(30 * M, 7 * M, SIDE),
+            _alloc(60 * M, 3 * M, MAIN),  # the default pool: not a graph's
         ]],
     }
     describe = lambda frames: (frames[0]["name"] if frames else "?", "", "")  # noqa: E731
     growths = pool_growths(snapshot, describe=describe)
-    assert [(g.segment, g.request, g.held_before, g.free_before, g.fragmented)
-            for g in growths] == [(600, 400, 0, 0, False), (500, 450, 600, 500, True),
-                                  (800, 700, 1100, 550, False)]
+    assert [(g.segment / M, g.request / M, g.held_before / M, g.free_before / M, g.fragmented)
+            for g in growths] == [(6, 4, 0, 0, False), (5, 4.5, 6, 4.5, True),
+                                  (8, 7, 11, 5, False)]
     assert growths[1].made_by == "logits"
     report = high_water_marks(snapshot, describe=lambda frames: ("made", "", ""))
     text = format_report("t", report, {SIDE: "side 1"}, growths)
-    assert "side 1's pool grew 3 times, 1 of them with the request's size free" in text
+    assert "side 1's pool grew by 3 large segments, 1 of them with the request's size free" in text
