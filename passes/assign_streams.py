@@ -69,7 +69,15 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.graph import clone_module, draws_random_numbers, output_descriptors
+from erase_fx.passes.copy_input_values_per_block import MIN_BYTES, made_from_inputs
+from erase_fx.passes.flops import node_flops
+from erase_fx.passes.graph import (
+    clone_module,
+    draws_random_numbers,
+    output_descriptors,
+    tensor_bytes,
+    val_of,
+)
 from erase_fx.passes.node_meta import (
     MAIN_STREAM,
     NodeMeta,
@@ -204,10 +212,19 @@ def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
     the block's launch point, such as the labels) would otherwise run on the
     main stream after the join, holding every block's head activations (a
     batch x vocabulary log-softmax each) until the end of the forward. The
-    block's launch point (the last main node it reads) does not move.
+    block's launch point (the last main node it reads) moves only for a node
+    that reads a large value of the block (`MIN_BYTES`: the log-softmax, not a
+    loss's per-sample terms), only past values made from the graph inputs
+    alone (`made_from_inputs`: soft targets made from the labels, which the
+    first block's loss may read a few nodes after its launch point once
+    `copy_input_values_per_block` gave its backward a copy of its own), and
+    never past a node with matrix work (the next stage): the block never
+    waits for more of the forward.
     Forward order: a tail of several nodes joins node by node.
     """
     position = {node: i for i, node in enumerate(nodes)}
+    from_inputs = made_from_inputs(nodes)
+    matrix_work = [position[n] for n in nodes if owner.get(n) is None and node_flops(n) > 0]
     launch_point: dict[int, int] = {}
     for node in nodes:
         if owner.get(node) is not None:
@@ -219,7 +236,8 @@ def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
     for node in nodes:
         if (node.op == "call_function" and owner[node] is None and not node.is_impure()
                 and node in feeds_output_only):
-            owner[node] = _sole_block_read(node, owner, late, position, launch_point)
+            owner[node] = _sole_block_read(node, owner, late, position, launch_point,
+                                           from_inputs, matrix_work)
         if owner[node] is None and _reads_a_block(node, owner, late):
             late.add(node)
 
@@ -271,18 +289,29 @@ def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
 
 
 def _sole_block_read(node: fx.Node, owner: dict, late: set[fx.Node], position: dict,
-                     launch_point: dict[int, int]) -> int | None:
+                     launch_point: dict[int, int], from_inputs: set[fx.Node],
+                     matrix_work: list[int]) -> int | None:
     """The block whose values ``node`` reads, if it reads one block's values and otherwise
-    only main values made before that block's launch point (None: stay on main)."""
+    only main values made before that block's launch point, or, where it reads a large
+    value of the block, after it from the graph inputs alone with no matrix work in between
+    (the launch point then moves there); None: stay on main."""
     computed = [a for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")]
     blocks = {owner[a] for a in computed if owner[a] is not None}
     if len(blocks) != 1:
         return None
     block = blocks.pop()
     limit = launch_point.get(block, -1)
-    if all(owner[a] == block or (a not in late and position[a] <= limit) for a in computed):
-        return block
-    return None
+    later = [a for a in computed if owner[a] != block and (a in late or position[a] > limit)]
+    if any(a in late or a not in from_inputs for a in later):
+        return None
+    if later and max((tensor_bytes(val_of(a)) or 0 for a in computed if owner[a] == block),
+                     default=0) < MIN_BYTES:
+        return None  # NB: only scalars or small values would cross: the launch point stays
+    moved = max((position[a] for a in later), default=limit)
+    if any(limit < at <= moved for at in matrix_work):
+        return None
+    launch_point[block] = moved
+    return block
 
 
 def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict, stage: set[fx.Node]) -> None:

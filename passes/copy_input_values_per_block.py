@@ -4,7 +4,7 @@ computed from the graph's inputs alone and read by more than that block.
 What: a value early nodes read although it is not theirs alone (other
 blocks, or the forward, read it too) is copied when it depends on no
 activation, only on graph inputs and constants, through pure aten or prims
-ops without matrix work (`_made_from_inputs`; a custom op may draw random
+ops without matrix work (`made_from_inputs`; a custom op may draw random
 numbers without saying so); when it, or a value it is made from, is large
 (at least `MIN_BYTES`) and much larger than the graph inputs it is made from
 (`GROWTH` times their bytes); and when the forward does not return it (a
@@ -104,7 +104,7 @@ class _Analysis:
 
     Attributes:
         nodes: the graph's nodes, in order; ``position`` their index.
-        from_inputs: the nodes made from graph inputs alone (`_made_from_inputs`).
+        from_inputs: the nodes made from graph inputs alone (`made_from_inputs`).
         returned: the nodes the forward returns, or views of them (saved for the backward):
             they live past the join whoever reads them, so they are never copied and a
             chain reads them as it reads graph inputs.
@@ -120,7 +120,7 @@ class _Analysis:
     @classmethod
     def of(cls, graph: fx.Graph) -> _Analysis:
         nodes = list(graph.nodes)
-        return cls(nodes, topo_positions(graph), _made_from_inputs(nodes), returned_values(graph))
+        return cls(nodes, topo_positions(graph), made_from_inputs(nodes), returned_values(graph))
 
     def is_source(self, node: fx.Node) -> bool:
         """A node a copy reads as it is, never copies: a graph input or a returned value."""
@@ -225,7 +225,7 @@ def copy_input_values_per_block(gm: fx.GraphModule,
     return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies, sizes))
 
 
-def _made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
+def made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
     """The pure aten and prims nodes without matrix work (and getitems, symbolic-size
     arithmetic) whose inputs are graph inputs (placeholders, attributes) or such nodes:
     functions of the inputs alone."""

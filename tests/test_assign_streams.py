@@ -1,4 +1,6 @@
 """assign_streams: main stream for the forward, round-robin side streams, sync points."""
+import importlib
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
-from graphs import Chain, Stages, chain_inputs, targets
+from graphs import Chain, SoftLabelChain, Stages, chain_inputs, targets
 
 aten = torch.ops.aten
 
@@ -124,6 +126,82 @@ def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
     gathers = [n for n in gm.graph.nodes if n.target is aten.gather.default]
     assert len(gathers) == 4
     assert sorted(get_meta(n).stream for n in gathers) == [MAIN_STREAM, 1, 2, 3]
+
+
+def _main_reads_of_block_values(gm) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each side-stream value a main-stream node reads."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "output" or get_meta(node).stream != MAIN_STREAM:
+            continue
+        found += [(arg.name, tuple(arg.meta["val"].shape)) for arg in node.all_input_nodes
+                  if get_meta(arg).stream != MAIN_STREAM]
+    return found
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_block(inner):
+    """Soft targets made from the labels in the forward: the first block's backward reads
+    its own copy (`copy_input_values_per_block`), made from the labels' one-hot before the
+    soft targets themselves, so its loss, which reads the soft targets, reads a main value
+    made after the block's launch point. It runs in the block all the same (the launch
+    point moves past those elementwise ops): only scalars cross to the main stream, never
+    the block's batch x classes log-softmax."""
+    torch.manual_seed(0)
+    stages = Stages(SoftLabelChain(3, classes=8192), chain_inputs(batch=64, classes=8192),
+                    EraseConfig(inner=inner, stages_on_side=False), inner=inner)
+    assert stages.copied.modified  # the copies that moved the launch point before the targets
+    crossing = _main_reads_of_block_values(stages.assigned.gm)
+    assert crossing and all(shape == () for _, shape in crossing), crossing
+
+
+class LateLossTerm(torch.nn.Module):
+    """Two detached blocks; the first block's loss adds a term without gradient that reads
+    its log-probabilities (batch x classes) and a scale made from the labels alone, after
+    the second stage's matrix product (program order)."""
+
+    def __init__(self, d=16, classes=8192):
+        super().__init__()
+        self.stage0, self.stage1 = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.head0, self.head1 = torch.nn.Linear(d, classes), torch.nn.Linear(d, classes)
+
+    def forward(self, x, labels):
+        h0 = self.stage0(x)
+        logits0 = self.head0(h0)
+        h1 = self.stage1(h0.detach())
+        scale = (labels.float() * 0.125).mean()
+        term = (torch.log_softmax(logits0, -1).detach() * scale).mean()
+        loss0 = torch.nn.functional.cross_entropy(logits0, labels) + term
+        return loss0 + torch.nn.functional.cross_entropy(self.head1(h1), labels)
+
+
+def _block_launch_index(stages) -> tuple[int, int]:
+    """(index of block 0's first segment, index of the main segment with stage 1's product)."""
+    segments = stages.segmented.segments
+    block = next(k for k, s in enumerate(segments) if s.block == 0)
+    product = next(k for k, s in enumerate(segments) if s.block is None and any(
+        n.target is aten.addmm.default and any(a.target is aten.detach.default
+                                               for a in n.all_input_nodes)
+        for n in getattr(stages.segmented.gm, s.name).graph.nodes))
+    return block, product
+
+
+def test_a_block_never_waits_for_matrix_work_to_run_its_loss_tail(monkeypatch):
+    """The first block's loss adds a term that reads a scale the main stream makes from the
+    labels only after the next stage's matrix product: the block still launches before that
+    product (the term stays on the main stream); were the product not matrix work, the term
+    would join the block and the block would launch after it."""
+    def stages():
+        torch.manual_seed(0)
+        return Stages(LateLossTerm(), chain_inputs(batch=64, classes=8192),
+                      EraseConfig(inner="aot_eager"))
+
+    block, product = _block_launch_index(stages())
+    assert block < product
+    module = importlib.import_module("erase_fx.passes.assign_streams")
+    monkeypatch.setattr(module, "node_flops", lambda node: 0)
+    block, product = _block_launch_index(stages())
+    assert block > product
 
 
 def _stage_and_block_nodes(gm):
