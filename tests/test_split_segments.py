@@ -196,3 +196,16 @@ def test_forward_first_moves_forward_nodes_but_keeps_random_ops_in_program_order
     uses_noise = _node(graph, torch.ops.aten.add.Tensor, Role.FORWARD, forward_noise, x)
     assert forward_first([early_noise, late, forward_noise, uses_noise]) == [
         early_noise, forward_noise, uses_noise, late]
+
+
+def test_forward_first_moves_the_loss_value_ahead_of_a_cudnn_attention_backward():
+    """On an H200 gpt's attention runs as cuDNN attention, whose backward is tagged as drawing
+    random numbers: a block holding it still computes its loss value first (a rule that
+    kept such blocks as they were changed nothing on the GPU)."""
+    backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    assert torch.Tag.nondeterministic_seeded in backward.tags
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    attention_grad = _node(graph, backward, Role.EARLY_BACKWARD, x)
+    loss_value = _node(graph, torch.ops.aten.sum.default, Role.FORWARD, x)
+    assert forward_first([attention_grad, loss_value]) == [loss_value, attention_grad]
