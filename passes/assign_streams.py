@@ -46,10 +46,13 @@ living until the join; the main stream makes them otherwise.
 
 A forward node joins block ``b``'s head only if every reader of it is a node
 of block ``b``, the output, or a node that only feeds the output through such
-nodes (the loss sum); an early node that the main stream or another block
-reads (`merge_common_subexpressions` makes a block's ``t(w)`` the
-forward's, as the stock partitioner's CSE would) moves to the main stream (and from
-there to the stage of the first block that needs it). So the main stream
+nodes (the loss sum), and a large one made from the inputs alone that a main
+node reads after all (soft targets the last block's loss reads too) goes back
+to the main stream (`_return_shared_input_values_to_main`); an early node
+that the main stream or another block reads (`merge_common_subexpressions`
+makes a block's ``t(w)`` the forward's, as the stock partitioner's CSE
+would) moves to the main stream (and from there to the stage of the first
+block that needs it). So the main stream
 waits for a block only at the join, and a block's head and backward never
 wait for another block's.
 
@@ -107,6 +110,7 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
         owner[node] = meta.block if meta is not None and meta.role is Role.EARLY_BACKWARD else None
     _move_shared_early_nodes_to_main(nodes, owner)
     _pull_heads_into_blocks(nodes, owner)
+    _return_shared_input_values_to_main(nodes, owner)
     stage: set[fx.Node] = set()
     blocks = {get_meta(n).block for n in nodes if is_early(n)}
     if stages_go_to_side_streams(cfg, len(blocks)):
@@ -187,6 +191,43 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
                for user in node.users):
             owner[node] = blocks.pop()
     _pull_loss_tails_into_blocks(nodes, owner, feeds_output_only)
+
+
+def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict) -> None:
+    """A large value of a block's head made from the graph inputs alone that a main node
+    reads goes back to the main stream, with the head's nodes it is made from.
+
+    Why: soft targets that one early block's loss and the last block's loss both read
+    join the early block's head (the last block's loss only feeds the loss sum), and the
+    last block's loss then reads them across streams after the join, held there until
+    it. Made on the main stream they are read by the block instead, and the last block's
+    loss runs before the join. The block's launch point moves past them only where no
+    node with matrix work lies in between (the block never waits for the next stage).
+    """
+    from_inputs = made_from_inputs(nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    matrix_work = [position[n] for n in nodes if owner.get(n) is None and node_flops(n) > 0]
+
+    def launch_point(block: int) -> int:
+        return max((position[a] for n in nodes if owner.get(n) == block
+                    for a in n.all_input_nodes if owner.get(a) is None), default=-1)
+
+    for node in reversed(nodes):
+        block = owner.get(node)
+        if (block is None or is_early(node) or node not in from_inputs
+                or (tensor_bytes(val_of(node)) or 0) < MIN_BYTES
+                or not any(owner.get(u) is None and u.op != "output" for u in node.users)):
+            continue
+        chain = [node]
+        for member in chain:
+            chain += [a for a in member.all_input_nodes
+                      if owner.get(a) == block and a not in chain and not is_early(a)]
+        before = launch_point(block)
+        after = max([before] + [position[n] for n in chain])
+        if any(before < at <= after for at in matrix_work):
+            continue
+        for member in chain:
+            owner[member] = None
 
 
 def _feeds_output_only(nodes: list[fx.Node], owner: dict, returned: set[fx.Node]) -> set[fx.Node]:

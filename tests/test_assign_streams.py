@@ -140,15 +140,19 @@ def _main_reads_of_block_values(gm) -> list[tuple[str, tuple[int, ...]]]:
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_block(inner):
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_block(
+        inner, blocks):
     """Soft targets made from the labels in the forward: the first block's backward reads
     its own copy (`copy_input_values_per_block`), made from the labels' one-hot before the
     soft targets themselves, so its loss, which reads the soft targets, reads a main value
     made after the block's launch point. It runs in the block all the same (the launch
     point moves past those elementwise ops): only scalars cross to the main stream, never
-    the block's batch x classes log-softmax."""
+    the block's batch x classes log-softmax. With one early block (2 blocks) the last
+    block's loss reads the soft targets too: they are made on the main stream, not in the
+    early block's head, so that loss reads no block value but its scalar."""
     torch.manual_seed(0)
-    stages = Stages(SoftLabelChain(3, classes=8192), chain_inputs(batch=64, classes=8192),
+    stages = Stages(SoftLabelChain(blocks, classes=8192), chain_inputs(batch=64, classes=8192),
                     EraseConfig(inner=inner, stages_on_side=False), inner=inner)
     assert stages.copied.modified  # the copies that moved the launch point before the targets
     crossing = _main_reads_of_block_values(stages.assigned.gm)
@@ -194,6 +198,42 @@ def test_a_block_never_waits_for_matrix_work_to_run_its_loss_tail(monkeypatch):
     def stages():
         torch.manual_seed(0)
         return Stages(LateLossTerm(), chain_inputs(batch=64, classes=8192),
+                      EraseConfig(inner="aot_eager"))
+
+    block, product = _block_launch_index(stages())
+    assert block < product
+    module = importlib.import_module("erase_fx.passes.assign_streams")
+    monkeypatch.setattr(module, "node_flops", lambda node: 0)
+    block, product = _block_launch_index(stages())
+    assert block > product
+
+
+class LateSharedSoftTargets(torch.nn.Module):
+    """Two detached blocks that learn one set of soft targets, made after the second
+    stage's matrix product (program order)."""
+
+    def __init__(self, d=16, classes=8192):
+        super().__init__()
+        self.stage0, self.stage1 = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.head0, self.head1 = torch.nn.Linear(d, classes), torch.nn.Linear(d, classes)
+
+    def forward(self, x, labels):
+        h0 = self.stage0(x)
+        logits0 = self.head0(h0)
+        h1 = self.stage1(h0.detach())
+        soft = torch.nn.functional.one_hot(labels, logits0.shape[-1]).float() * 0.9 + 0.1 / 8192
+        loss0 = -(soft * torch.log_softmax(logits0, -1)).sum(-1).mean()
+        return loss0 - (soft * torch.log_softmax(self.head1(h1), -1)).sum(-1).mean()
+
+
+def test_shared_soft_targets_stay_in_the_block_rather_than_delay_it(monkeypatch):
+    """Soft targets the early block and the last block's loss both read, made after the next
+    stage's product: made on the main stream they would make the block wait for that
+    product, so they stay in the block's head; were the product not matrix work, they would
+    go to the main stream and the block would launch after it."""
+    def stages():
+        torch.manual_seed(0)
+        return Stages(LateSharedSoftTargets(), chain_inputs(batch=64, classes=8192),
                       EraseConfig(inner="aot_eager"))
 
     block, product = _block_launch_index(stages())
