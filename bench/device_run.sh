@@ -110,6 +110,10 @@
 #   bash bench/device_run.sh order-a   split_segments.forward_first against the partitioner's order
 #                                      (/partitioner-order) on gpt:16 and gpt:8 (time, step
 #                                      memory), then gpt:16's streams profiled (~8 min)
+#   bash bench/device_run.sh soft-a    gpt-soft:16 (label-smoothed targets made in the forward) against
+#                                      gpt:16: time and step memory of erase+step and
+#                                      inductor+step, then gpt-soft's streams profiled (~6 min,
+#                                      not yet run)
 #   bash bench/device_run.sh order-b   after order-a: compile_step exact against eager, and the gpt
 #                                      race stress (2,000 steps, bitwise) on the new order (~4 min,
 #                                      ran 2026-12-03)
@@ -234,7 +238,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -526,6 +530,15 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
         --out "$OUT/pool-a-${cfg%%:*}.json" 2>&1 | grep -v '^erase_fx: graph' \
         | tee -a "$OUT/pool-a.md" || true
     done ;;
+  soft-a)
+    # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules
+    # for a loss that reads them), measured on CPU only so far
+    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/soft-a.json" --streams '' \
+      --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true
+    timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt-soft:16:384:256:8 \
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/soft-a-memprof.md" \
+      || true ;;
   order-b)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-order-b.log" ;;

@@ -25,7 +25,8 @@ A chain config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
 ``gpt:B:d:T:K`` (`GPTConfig`, `GPTChain`): a token embedding, then K
 detached pre-LN transformer blocks (causal SDPA attention, MLP), each with
 a local LM head (LayerNorm, linear to a vocabulary of 8192, cross-entropy on
-the next tokens); d/64 heads; bf16 autocast. ``tv-<name>:B:image``: the
+the next tokens); d/64 heads; bf16 autocast; ``gpt-soft:B:d:T:K`` learns
+label-smoothed soft targets made in the forward instead. ``tv-<name>:B:image``: the
 torchvision models of `bench.vision`. `parse_config` reads every kind, and
 `build_config` gives a config's model and batch.
 """
@@ -244,22 +245,32 @@ GPT_VOCAB = 8192
 GPT_HEAD_DIM = 64
 
 
+#: Label smoothing of ``gpt-soft`` configs' soft targets.
+GPT_SMOOTHING = 0.1
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """``gpt:B:d:T:K``: batch B of T tokens, width d (d/64 heads), K detached blocks."""
+    """``gpt:B:d:T:K``: batch B of T tokens, width d (d/64 heads), K detached blocks.
+    ``gpt-soft:B:d:T:K``: the same, each head learning label-smoothed soft targets made in
+    the forward (`GPTChain`)."""
 
     batch: int
     d: int
     seq: int
     blocks: int
-    kind = "gpt"
+    soft_targets: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "gpt-soft" if self.soft_targets else "gpt"
 
     @classmethod
     def parse(cls, text: str) -> GPTConfig:
         kind, *numbers = text.split(":")
-        if kind != "gpt" or len(numbers) != 4:
-            raise ValueError(f"config {text!r} is not gpt:B:d:T:K")
-        cfg = cls(*(int(n) for n in numbers))
+        if kind not in ("gpt", "gpt-soft") or len(numbers) != 4:
+            raise ValueError(f"config {text!r} is not gpt:B:d:T:K or gpt-soft:B:d:T:K")
+        cfg = cls(*(int(n) for n in numbers), soft_targets=kind == "gpt-soft")
         if cfg.d % GPT_HEAD_DIM:
             raise ValueError(f"config {text!r}: d must be a multiple of {GPT_HEAD_DIM} "
                              f"(heads of {GPT_HEAD_DIM})")
@@ -270,7 +281,7 @@ class GPTConfig:
         return self.d // GPT_HEAD_DIM
 
     def __str__(self) -> str:
-        return f"gpt:{self.batch}:{self.d}:{self.seq}:{self.blocks}"
+        return f"{self.kind}:{self.batch}:{self.d}:{self.seq}:{self.blocks}"
 
 
 class CausalSelfAttention(nn.Module):
@@ -308,6 +319,12 @@ class GPTChain(nn.Module):
     Block k+1 reads block k's output detached; every block's head
     (LayerNorm, ``Linear(d, 8192)``) has its own next-token cross-entropy;
     the loss is their sum. The embeddings train through block 0's loss.
+    With ``cfg.soft_targets`` (``gpt-soft``) each head learns label-smoothed
+    targets instead, made in the forward from the next tokens (``one_hot *
+    (1 - GPT_SMOOTHING) + GPT_SMOOTHING / 8192``, fp32, one tokens x
+    vocabulary value that every block reads): the case
+    ``copy_input_values_per_block`` and the soft-target rules of
+    ``assign_streams`` are for.
 
     Precision: fp32 parameters under bf16 autocast inside the forward
     (``amp_dtype``), the usual mixed-precision training (Adam keeps fp32
@@ -332,10 +349,17 @@ class GPTChain(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = self.embed(tokens) + self.position(positions)
             loss = None
+            soft = None
             for k, (block, head) in enumerate(zip(self.blocks, self.heads)):
                 h = block(h if k == 0 else h.detach())
-                logits = head(h)
-                local = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                logits = head(h).flatten(0, 1)
+                if self.cfg.soft_targets:
+                    if soft is None:
+                        soft = (F.one_hot(targets.flatten(), GPT_VOCAB).float()
+                                * (1 - GPT_SMOOTHING) + GPT_SMOOTHING / GPT_VOCAB)
+                    local = -(soft * F.log_softmax(logits.float(), -1)).sum(-1).mean()
+                else:
+                    local = F.cross_entropy(logits, targets.flatten())
                 loss = local if loss is None else loss + local
         return loss
 
@@ -360,7 +384,7 @@ def gpt_flops(cfg: GPTConfig) -> int:
 def parse_config(text: str):
     """A `ChainConfig`, `GPTConfig` or `bench.vision.VisionConfig` from its text."""
     kind = text.split(":")[0]
-    if kind == "gpt":
+    if kind in ("gpt", "gpt-soft"):
         return GPTConfig.parse(text)
     if kind.startswith("tv-"):
         from bench.vision import VisionConfig
@@ -371,7 +395,8 @@ def parse_config(text: str):
     from bench.vision import VISION_NAMES
 
     raise ValueError(f"config {text!r}: kind {kind!r} is not one of {', '.join(KINDS)} "
-                     f"(kind:B:d:h:K), gpt (gpt:B:d:T:K), {', '.join(VISION_NAMES)} "
+                     f"(kind:B:d:h:K), gpt or gpt-soft (gpt:B:d:T:K), "
+                     f"{', '.join(VISION_NAMES)} "
                      f"(name:B:image)")
 
 

@@ -32,7 +32,8 @@ variant. Variant names follow one grammar (`bench.harness`):
 
 Configs (`bench.models.parse_config`): detached chains ``kind:B:d:h:K``
 (`CONFIGS`, the default; towers too), transformer chains ``gpt:B:d:T:K``
-(`GPT_CONFIGS`), torchvision models ``tv-<name>:B:image`` (`VISION_CONFIGS`,
+(`GPT_CONFIGS`; ``gpt-soft:B:d:T:K`` on label-smoothed targets made in the
+forward), torchvision models ``tv-<name>:B:image`` (`VISION_CONFIGS`,
 `bench.vision`; skipped, with a line saying so, where torchvision is not
 importable).
 
@@ -287,7 +288,7 @@ MEMORY_LIMIT, MEMORY_LIMIT_HEAVY = 1.0, 0.6
 
 def is_memory_config(config: str) -> bool:
     """gpt configs and ctr:16384: activations dominate, so early frees must show."""
-    return config.startswith("gpt:") or config.startswith("ctr:16384:")
+    return config.startswith(("gpt:", "gpt-soft:", "ctr:16384:"))
 
 
 def memory_targets(rows) -> list[Target]:
@@ -504,7 +505,8 @@ def main(argv=None) -> int:
                              "chains), ctr-towers, mlp-towers (towers over a shared front), "
                              "ctr-towers-top, mlp-towers-top (and a top head over the detached "
                              "towers); gpt:B:d:T:K (detached transformer blocks, local LM "
-                             "heads); tv-<name>:B:image (torchvision models: "
+                             "heads; gpt-soft: on label-smoothed targets made in the "
+                             "forward); tv-<name>:B:image (torchvision models: "
                              f"{', '.join(VISION_CONFIGS)}). Default: the five chains")
     parser.add_argument("--variants", default=",".join((*VARIANTS, *ADAM_VARIANTS)),
                         help="comma-separated variant names (bench.harness's grammar: "

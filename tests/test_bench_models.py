@@ -11,7 +11,7 @@ from bench.vision import VisionConfig
     ("ctr:1024:512:1024:6", ChainConfig), ("mlp:128:2000:2000:4", ChainConfig),
     ("ctr-towers:4096:1024:2048:6", ChainConfig), ("mlp-towers-top:8:16:32:3", ChainConfig),
     ("gpt:8:768:1024:6", GPTConfig), ("gpt:16:384:256:8", GPTConfig),
-    ("tv-resnet18:256:32", VisionConfig), ("tv-resnet18-dgl:256:32", VisionConfig),
+    ("gpt-soft:16:384:256:8", GPTConfig), ("tv-resnet18:256:32", VisionConfig), ("tv-resnet18-dgl:256:32", VisionConfig),
     ("tv-googlenet-aux:128:64", VisionConfig), ("tv-mobilenet-dgl:256:64", VisionConfig),
     ("tv-efficientnet-dgl:128:64", VisionConfig), ("tv-vit-dgl:256:32", VisionConfig),
 ])
@@ -26,7 +26,8 @@ def test_every_config_kind_parses_and_prints_back(text, kind):
     ("tv-resnet18-dgl:256", "is not name:B:image"),
     ("tv-resnet50:256:32", "with name one of tv-resnet18"),
     ("mlp:1:2:3", "is not kind:B:d:h:K"),
-    ("transformer:1:2:3:4", "gpt (gpt:B:d:T:K)"),
+    ("transformer:1:2:3:4", "gpt or gpt-soft (gpt:B:d:T:K)"),
+    ("gpt-soft:8:768:1024", "is not gpt:B:d:T:K or gpt-soft:B:d:T:K"),
 ])
 def test_malformed_configs_say_what_is_expected(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -45,8 +46,8 @@ def test_gpt_config_fields():
     assert models.config_flops(parse_config("tv-vit-dgl:256:32")) is None
 
 
-def tiny_gpt(amp_dtype=None):
-    cfg = GPTConfig.parse("gpt:2:64:8:3")
+def tiny_gpt(amp_dtype=None, kind="gpt"):
+    cfg = GPTConfig.parse(f"{kind}:2:64:8:3")
     return cfg, GPTChain(cfg, amp_dtype=amp_dtype)
 
 
@@ -77,15 +78,51 @@ def test_gpt_chain_under_bf16_autocast_keeps_fp32_parameters():
                for p in model.parameters())
 
 
-def test_every_gpt_block_but_the_last_runs_early():
+@pytest.mark.parametrize("kind", ["gpt", "gpt-soft"])
+def test_every_gpt_block_but_the_last_runs_early(kind):
     import erase_fx
     from graphs import check_parity
 
-    cfg, model = tiny_gpt()
+    cfg, model = tiny_gpt(kind=kind)
     with erase_fx.collect_reports() as reports:
         check_parity(model, lambda: models.gpt_inputs(cfg, torch.device("cpu")), steps=1)
     (report,) = reports
     assert len(report.blocks) == cfg.blocks - 1
+
+
+def test_gpt_soft_learns_label_smoothed_targets_made_in_the_forward():
+    cfg = parse_config("gpt-soft:2:64:8:3")
+    assert cfg.soft_targets and cfg.kind == "gpt-soft" and not parse_config("gpt:2:64:8:3").soft_targets
+    model = GPTChain(cfg, amp_dtype=None)
+    tokens, targets = models.gpt_inputs(cfg, torch.device("cpu"))
+    h = model.embed(tokens) + model.position(torch.arange(8))
+    want = 0
+    for k, (block, head) in enumerate(zip(model.blocks, model.heads)):
+        h = block(h if k == 0 else h.detach())
+        want = want + torch.nn.functional.cross_entropy(
+            head(h).flatten(0, 1), targets.flatten(), label_smoothing=models.GPT_SMOOTHING)
+    torch.testing.assert_close(model(tokens, targets), want)
+
+
+def test_gpt_soft_under_erase_sends_only_scalars_to_the_main_stream():
+    """Every early block's loss on the shared soft targets (64 tokens x 8192: 2 MiB, above
+    the size where erase_fx keeps them off the streams' boundaries) runs in the block: the
+    main stream reads no block value but the local losses (Inductor, CPU)."""
+    from graphs import Stages
+
+    from erase_fx.config import EraseConfig
+    from erase_fx.passes import MAIN_STREAM, get_meta
+
+    cfg = parse_config("gpt-soft:4:64:16:3")
+    torch.manual_seed(0)
+    model = GPTChain(cfg, amp_dtype=None)
+    stages = Stages(model, models.gpt_inputs(cfg, torch.device("cpu")),
+                    EraseConfig(inner="inductor"), inner="inductor")
+    gm = stages.assigned.gm
+    crossing = [tuple(a.meta["val"].shape) for n in gm.graph.nodes
+                if n.op != "output" and get_meta(n).stream == MAIN_STREAM
+                for a in n.all_input_nodes if get_meta(a).stream != MAIN_STREAM]
+    assert crossing and all(shape == () for shape in crossing), crossing
 
 
 def test_build_config_gives_model_and_batch_of_each_kind():
