@@ -51,7 +51,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -124,6 +124,23 @@ def describe_frames(frames: Iterable[Mapping[str, Any]]) -> tuple[str, str, str]
     return made_by, under, source_file
 
 
+def _graph_pool_traces(snapshot: Mapping[str, Any]) -> Iterator[list[Mapping[str, Any]]]:
+    """Per device trace of the allocator (``device_traces``), its entries inside the graph
+    pools' segments, from the creation of the first of them on.
+
+    NB: an address a graph pool holds now may have served the default pool before (a
+    segment given back and mapped again): only what follows the graph pools' first segment
+    counts.
+    """
+    ranges = _pool_ranges(snapshot)
+    starts = {start for start, _ in ranges}
+    for trace in snapshot.get("device_traces", []):
+        first = next((k for k, e in enumerate(trace)
+                      if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
+        yield [] if first is None else [e for e in trace[first:]
+                                        if _inside(ranges, e.get("addr", -1))]
+
+
 def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
                      describe: Callable[[Iterable[Mapping[str, Any]]], tuple[str, str, str]]
                      = describe_frames) -> list[StreamMemory]:
@@ -136,21 +153,14 @@ def high_water_marks(snapshot: Mapping[str, Any], top: int = 8,
     takes it away (under capture a free completes when the block may be
     reused by its stream).
     """
-    ranges = _pool_ranges(snapshot)
-    starts = {start for start, _ in ranges}
     pools = pool_by_stream(snapshot)
     live: dict[int, dict[int, Mapping[str, Any]]] = {}
     live_bytes: dict[int, int] = {}
     peaks: dict[int, tuple[int, list[Mapping[str, Any]]]] = {}
-    for trace in snapshot.get("device_traces", []):
-        # NB: an address a graph pool holds now may have served the default pool before
-        # (a segment given back and mapped again): only what follows the graph pools'
-        # first segment counts.
-        first = next((k for k, e in enumerate(trace)
-                      if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
-        for entry in trace[first:] if first is not None else ():
+    for trace in _graph_pool_traces(snapshot):
+        for entry in trace:
             action, address = entry.get("action"), entry.get("addr", -1)
-            if action not in ("alloc", "free_completed") or not _inside(ranges, address):
+            if action not in ("alloc", "free_completed"):
                 continue
             stream = entry["stream"]
             blocks = live.setdefault(stream, {})
@@ -208,19 +218,13 @@ def pool_growths(snapshot: Mapping[str, Any],
     it). Small blocks (`SMALL_REQUEST`) and their segments are left out; a segment freed
     (an earlier graph's, at an address a pool holds now) takes its blocks and its growth
     with it."""
-    ranges = _pool_ranges(snapshot)
-    starts = {start for start, _ in ranges}
     growths: dict[int, Growth] = {}  # by segment address, in order
-    for trace in snapshot.get("device_traces", []):
-        first = next((k for k, e in enumerate(trace)
-                      if e.get("action") == "segment_alloc" and e.get("addr") in starts), None)
+    for trace in _graph_pool_traces(snapshot):
         held: dict[int, int] = {}
         alive: dict[int, dict[int, int]] = {}
         waiting: dict[int, Mapping[str, Any]] = {}  # stream -> its new segment's entry
-        for entry in trace[first:] if first is not None else ():
+        for entry in trace:
             action, address = entry.get("action"), entry.get("addr", -1)
-            if not _inside(ranges, address):
-                continue
             stream, size = entry["stream"], entry.get("size", 0)
             blocks = alive.setdefault(stream, {})
             if action in ("segment_alloc", "segment_free") and size == SMALL_SEGMENT:
