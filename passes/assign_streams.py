@@ -109,8 +109,10 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
         meta = get_meta(node)
         owner[node] = meta.block if meta is not None and meta.role is Role.EARLY_BACKWARD else None
     _move_shared_early_nodes_to_main(nodes, owner)
-    _pull_heads_into_blocks(nodes, owner)
-    _return_shared_input_values_to_main(nodes, owner)
+    from_inputs = made_from_inputs(nodes)
+    matrix_work = {n for n in nodes if node_flops(n) > 0}
+    _pull_heads_into_blocks(nodes, owner, from_inputs, matrix_work)
+    _return_shared_input_values_to_main(nodes, owner, from_inputs, matrix_work)
     stage: set[fx.Node] = set()
     blocks = {get_meta(n).block for n in nodes if is_early(n)}
     if stages_go_to_side_streams(cfg, len(blocks)):
@@ -174,7 +176,8 @@ def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict) -> None:
                 owner[arg] = None
 
 
-def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
+def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict, from_inputs: set[fx.Node],
+                            matrix_work: set[fx.Node]) -> None:
     """Forward nodes only one block needs (its head and local loss) join that block."""
     returned = _returned_to_the_user(nodes[-1].graph)
     if returned is None:
@@ -190,10 +193,12 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict) -> None:
         if all(owner.get(user) is not None or user.op == "output" or user in feeds_output_only
                for user in node.users):
             owner[node] = blocks.pop()
-    _pull_loss_tails_into_blocks(nodes, owner, feeds_output_only)
+    _pull_loss_tails_into_blocks(nodes, owner, feeds_output_only, from_inputs, matrix_work)
 
 
-def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict) -> None:
+def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
+                                        from_inputs: set[fx.Node],
+                                        matrix_work: set[fx.Node]) -> None:
     """A large value of a block's head made from the graph inputs alone that a main node
     reads goes back to the main stream, with the head's nodes it is made from.
 
@@ -204,14 +209,8 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict) -> No
     loss runs before the join. The block's launch point moves past them only where no
     node with matrix work lies in between (the block never waits for the next stage).
     """
-    from_inputs = made_from_inputs(nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    matrix_work = [position[n] for n in nodes if owner.get(n) is None and node_flops(n) > 0]
-
-    def launch_point(block: int) -> int:
-        return max((position[a] for n in nodes if owner.get(n) == block
-                    for a in n.all_input_nodes if owner.get(a) is None), default=-1)
-
+    main_matrix_work = _main_positions(matrix_work, owner, position)
     for node in reversed(nodes):
         block = owner.get(node)
         if (block is None or is_early(node) or node not in from_inputs
@@ -222,9 +221,9 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict) -> No
         for member in chain:
             chain += [a for a in member.all_input_nodes
                       if owner.get(a) == block and a not in chain and not is_early(a)]
-        before = launch_point(block)
+        before = _launch_points(nodes, owner, position).get(block, -1)
         after = max([before] + [position[n] for n in chain])
-        if any(before < at <= after for at in matrix_work):
+        if any(before < at <= after for at in main_matrix_work):
             continue
         for member in chain:
             owner[member] = None
@@ -244,7 +243,8 @@ def _feeds_output_only(nodes: list[fx.Node], owner: dict, returned: set[fx.Node]
 
 
 def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
-                                 feeds_output_only: set[fx.Node]) -> None:
+                                 feeds_output_only: set[fx.Node], from_inputs: set[fx.Node],
+                                 matrix_work: set[fx.Node]) -> None:
     """The tail of a local loss (a cross-entropy's gather, mean and scaling, after the
     partitioner saved the log-softmax) joins its block: only the scalar crosses the join.
 
@@ -264,8 +264,20 @@ def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
     Forward order: a tail of several nodes joins node by node.
     """
     position = {node: i for i, node in enumerate(nodes)}
-    from_inputs = made_from_inputs(nodes)
-    matrix_work = [position[n] for n in nodes if owner.get(n) is None and node_flops(n) > 0]
+    main_matrix_work = _main_positions(matrix_work, owner, position)
+    launch_point = _launch_points(nodes, owner, position)
+    late: set[fx.Node] = set()  # main nodes that read a block's value: after the join
+    for node in nodes:
+        if (node.op == "call_function" and owner[node] is None and not node.is_impure()
+                and node in feeds_output_only):
+            owner[node] = _sole_block_read(node, owner, late, position, launch_point,
+                                           from_inputs, main_matrix_work)
+        if owner[node] is None and _reads_a_block(node, owner, late):
+            late.add(node)
+
+
+def _launch_points(nodes: list[fx.Node], owner: dict, position: dict) -> dict[int, int]:
+    """Each block's launch point: the position of the last main node its nodes read."""
     launch_point: dict[int, int] = {}
     for node in nodes:
         if owner.get(node) is not None:
@@ -273,14 +285,12 @@ def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,
                 if owner[arg] is None:
                     launch_point[owner[node]] = max(launch_point.get(owner[node], -1),
                                                     position[arg])
-    late: set[fx.Node] = set()  # main nodes that read a block's value: after the join
-    for node in nodes:
-        if (node.op == "call_function" and owner[node] is None and not node.is_impure()
-                and node in feeds_output_only):
-            owner[node] = _sole_block_read(node, owner, late, position, launch_point,
-                                           from_inputs, matrix_work)
-        if owner[node] is None and _reads_a_block(node, owner, late):
-            late.add(node)
+    return launch_point
+
+
+def _main_positions(among: set[fx.Node], owner: dict, position: dict) -> list[int]:
+    """The positions of the main-stream nodes ``among`` (those with matrix work, say)."""
+    return [position[n] for n in among if owner.get(n) is None]
 
 
 def _reads_a_block(node: fx.Node, owner: dict, after_join: set[fx.Node],
