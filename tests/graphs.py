@@ -534,6 +534,23 @@ def check_parity(
     return eager, erased
 
 
+# -- stream assignments ------------------------------------------------------------
+
+
+def main_reads_of_side_values(gm: fx.GraphModule) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each side-stream value a main-stream node of a stream-annotated
+    forward reads (under capture, held until the join)."""
+    from erase_fx.passes import MAIN_STREAM, get_meta
+
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "output" or get_meta(node).stream != MAIN_STREAM:
+            continue
+        found += [(arg.name, tuple(arg.meta["val"].shape)) for arg in node.all_input_nodes
+                  if get_meta(arg).stream != MAIN_STREAM]
+    return found
+
+
 # -- running graphs on real values ------------------------------------------------
 
 

@@ -10,7 +10,14 @@ from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
-from graphs import Chain, SoftLabelChain, Stages, chain_inputs, targets
+from graphs import (
+    Chain,
+    SoftLabelChain,
+    Stages,
+    chain_inputs,
+    main_reads_of_side_values,
+    targets,
+)
 
 aten = torch.ops.aten
 
@@ -113,30 +120,12 @@ def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
     stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor", stages_on_side=False),
                     inner="inductor")
     gm = stages.assigned.gm
-    crossing = []
-    for node in gm.graph.nodes:
-        meta = get_meta(node)
-        if node.op == "output" or meta.stream != MAIN_STREAM:
-            continue
-        for arg in node.all_input_nodes:
-            if get_meta(arg).stream != MAIN_STREAM:
-                crossing.append((arg.name, tuple(arg.meta["val"].shape)))
+    crossing = main_reads_of_side_values(gm)
     assert crossing, "the loss sum reads the early blocks' losses after the join"
     assert all(shape == () for _, shape in crossing), crossing
     gathers = [n for n in gm.graph.nodes if n.target is aten.gather.default]
     assert len(gathers) == 4
     assert sorted(get_meta(n).stream for n in gathers) == [MAIN_STREAM, 1, 2, 3]
-
-
-def _main_reads_of_block_values(gm) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of each side-stream value a main-stream node reads."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "output" or get_meta(node).stream != MAIN_STREAM:
-            continue
-        found += [(arg.name, tuple(arg.meta["val"].shape)) for arg in node.all_input_nodes
-                  if get_meta(arg).stream != MAIN_STREAM]
-    return found
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -155,7 +144,7 @@ def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_blo
     stages = Stages(SoftLabelChain(blocks, classes=8192), chain_inputs(batch=64, classes=8192),
                     EraseConfig(inner=inner, stages_on_side=False), inner=inner)
     assert stages.copied.modified  # the copies that moved the launch point before the targets
-    crossing = _main_reads_of_block_values(stages.assigned.gm)
+    crossing = main_reads_of_side_values(stages.assigned.gm)
     assert crossing and all(shape == () for _, shape in crossing), crossing
 
 

@@ -108,21 +108,17 @@ def test_gpt_soft_under_erase_sends_only_scalars_to_the_main_stream():
     """Every early block's loss on the shared soft targets (64 tokens x 8192: 2 MiB, above
     the size where erase_fx keeps them off the streams' boundaries) runs in the block: the
     main stream reads no block value but the local losses (Inductor, CPU)."""
-    from graphs import Stages
+    from graphs import Stages, main_reads_of_side_values
 
     from erase_fx.config import EraseConfig
-    from erase_fx.passes import MAIN_STREAM, get_meta
 
     cfg = parse_config("gpt-soft:4:64:16:3")
     torch.manual_seed(0)
     model = GPTChain(cfg, amp_dtype=None)
     stages = Stages(model, models.gpt_inputs(cfg, torch.device("cpu")),
                     EraseConfig(inner="inductor"), inner="inductor")
-    gm = stages.assigned.gm
-    crossing = [tuple(a.meta["val"].shape) for n in gm.graph.nodes
-                if n.op != "output" and get_meta(n).stream == MAIN_STREAM
-                for a in n.all_input_nodes if get_meta(a).stream != MAIN_STREAM]
-    assert crossing and all(shape == () for shape in crossing), crossing
+    crossing = main_reads_of_side_values(stages.assigned.gm)
+    assert crossing and all(shape == () for _, shape in crossing), crossing
 
 
 def test_build_config_gives_model_and_batch_of_each_kind():

@@ -113,7 +113,11 @@ def test_check_rejects_a_block_reading_another_blocks_copy():
 
 
 @pytest.mark.parametrize("stages_on_side", [False, True])
-def test_gradients_match_stock_inductor_with_copies(stages_on_side, monkeypatch):
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_gradients_match_stock_inductor_with_copies(blocks, stages_on_side, monkeypatch):
+    """Every parameter's gradient as stock Inductor's; with 2 blocks the soft targets the
+    early block shares with the last block's loss are made on the main stream
+    (`assign_streams`), with 3 each early block's loss reads them in its block."""
     copied = []
 
     def spy(gm, cfg):
@@ -123,7 +127,7 @@ def test_gradients_match_stock_inductor_with_copies(stages_on_side, monkeypatch)
 
     monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
     torch.manual_seed(1)
-    model = SoftLabelChain(3, classes=CLASSES)
+    model = SoftLabelChain(blocks, classes=CLASSES)
     stock = copy.deepcopy(model)
     inputs = chain_inputs(batch=BATCH, classes=CLASSES)
     torch._dynamo.reset()
