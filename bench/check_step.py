@@ -48,7 +48,12 @@ gradient accumulation over two micro-batches, one optimizer per model,
    block's logits gradient over its logits (`EraseConfig.keep_inplace_writes`),
    trained twice and once with every segment on the main stream
    (``overlap=False``: the same kernels), math attention, deterministic mode:
-   all bitwise equal.
+   all bitwise equal;
+12. ``release-lag`` (torchvision, not in the default list): erase with
+   ``release_lag="auto"`` on a small DGL ViT (stages on the main stream, so
+   the lag matters): compile_step times each candidate and keeps one within
+   the steps given, and trains bitwise as the default (held to the join)
+   does, in deterministic mode.
 """
 from __future__ import annotations
 
@@ -610,6 +615,36 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
                       first, other)
 
 
+def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
+    """``release_lag="auto"``: compile_step captures the step once per candidate lag, times
+    replays of each (real training steps) and keeps one. The result must be bitwise what the
+    default (held to the join) trains, in deterministic mode: a lag frees memory sooner, a race
+    would change bits."""
+    from erase_fx.lag_tuning import CANDIDATES, TIMED_REPLAYS
+
+    # NB: enough steps for two warm-ups, one more after the first capture, every candidate
+    # timed and the chosen one captured
+    needed = WARMUP + 1 + len(CANDIDATES) * (TIMED_REPLAYS + 1) + 1 + steps
+    loaded = config_batches(config, device, -(-needed // 5))
+    if loaded is None:
+        report.check(f"release_lag='auto' on {config}", False, "needs torchvision")
+        return
+    base, batches = loaded
+    with deterministic_algorithms():
+        train_in_step(base, batches[:2])  # NB: the process's first compile autotunes
+        held = train_in_step(base, batches)
+        auto = train_in_step(base, batches, options={"release_lag": "auto"})
+    step = auto[1]
+    tunings = step.release_lag_tunings
+    measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
+    report.check(f"release_lag='auto' on {config}: tuned within {len(batches)} steps",
+                 bool(tunings) and tunings[0].done and not step.tuning,
+                 f"chosen {tunings[0].chosen if tunings else '-'} of {measured}; "
+                 f"{step.tuning_captures} tuning captures; {counts(step)}")
+    check_bitwise(report, f"release_lag='auto' on {config}, compile_step, {len(batches)} "
+                  "steps, against release_lag=None", auto, held)
+
+
 def check_eager_timing(report, device, timings):
     batches = make_batches(4, device, seed=6)
     _, step, *_ = train("eager", "adam", batches, device, captured=False)
@@ -620,7 +655,7 @@ def check_eager_timing(report, device, timings):
 
 CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing", "early-optimizer")
 #: Checks run only when asked for (``--checks``): they need torchvision, or take minutes.
-EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt")
+EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt", "release-lag")
 
 
 def main(argv=None) -> int:
@@ -654,6 +689,7 @@ def main(argv=None) -> int:
         "early-optimizer-conv": lambda: check_early_optimizer_conv(report, device, args.steps),
         "determinism-conv": lambda: check_determinism_conv(report, device, args.steps),
         "determinism-gpt": lambda: check_determinism_gpt(report, device, args.steps),
+        "release-lag": lambda: check_release_lag(report, device, args.steps),
     }
     for name in chosen:
         check = runs[name]

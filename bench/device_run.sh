@@ -119,8 +119,11 @@
 #                                      ran 2026-12-03)
 #   bash bench/device_run.sh pool-a    where the side streams' pools outgrow their high-water marks
 #                                      (each growth made while the request's size was free: which
-#                                      allocation) on gpt:16 and the DGL ViT (~2 min; ran 2026-12-03
-#                                      with the first pool_growths, whose lists were wrong: run again)
+#                                      allocation) on gpt:16 and the DGL ViT (~2 min; ran 2026-12-03,
+#                                      twice: the first run's pool_growths lists were wrong)
+#   bash bench/device_run.sh auto-a    release_lag="auto": bitwise against the default on a small
+#                                      DGL ViT, then time and step memory on the DGL ViT and
+#                                      ResNet-18 against the default and stock (~9 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -238,7 +241,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -530,6 +533,16 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
         --out "$OUT/pool-a-${cfg%%:*}.json" 2>&1 | grep -v '^erase_fx: graph' \
         | tee -a "$OUT/pool-a.md" || true
     done ;;
+  auto-a)
+    # release_lag="auto": compile_step times each candidate lag and keeps one (erase_fx.lag_tuning);
+    # bitwise against the default first, then time and step memory where lag-a found the lag
+    # worth 0.88x of stock's memory (the ViT) and where it cost 12% of time (ResNet-18)
+    timeout 170 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-auto-a.log" || true
+    timeout 400 python3 -m bench.run --budget-s 340 --out "$OUT/auto-a.json" --streams '' \
+      --configs tv-vit-dgl:256:32,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/release-lag=auto 2>&1 \
+      | grep -v '^erase_fx: graph' || true ;;
   soft-a)
     # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules
     # for a loss that reads them), measured on CPU only so far

@@ -35,7 +35,8 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/streams=N`` (N side streams; ``/streams=0``: no side stream, the
   forward compiled as one graph), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
-  last reader instead of at the join), ``/stages-on-main`` and
+  last reader instead of at the join; ``/release-lag=auto``: ``compile_step``
+  times the candidates and keeps one, `erase_fx.lag_tuning`), ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
   the default's rule decides), ``/shared-input-values``
@@ -195,7 +196,7 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            numbered = r"streams=(0|[1-9]\d*)|release-lag=[1-9]\d*"
+            numbered = r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto)"
             changed: dict[str, str] = {}
             for one in control.split("/"):
                 if one not in CONTROLS and not re.fullmatch(numbered, one):
@@ -287,7 +288,7 @@ def _control_options(control: str) -> dict[str, Any]:
     if control in STEP_CONTROL_OPTIONS or control in PATCH_CONTROLS:
         return {}
     key, value = control.split("=")
-    return {key.replace("-", "_"): int(value)}
+    return {key.replace("-", "_"): value if value == "auto" else int(value)}
 
 
 def judged_erase(name: str) -> bool:
@@ -412,7 +413,17 @@ class BuiltStep:
         if getattr(self.program, "early_optimizer", False):
             info["early_updated"] = self.program.early_updated
             info["early_refused"] = dict(self.program.early_refused)
+        tunings = getattr(self.program, "release_lag_tunings", ())
+        if tunings:
+            info["release_lag_chosen"] = tunings[-1].chosen
+            info["release_lag_trials"] = "; ".join(m.describe() for m in tunings[-1].measured)
+            info["tuning_captures"] = self.program.tuning_captures
         return info
+
+    def tuning(self) -> bool:
+        """Whether ``compile_step`` is still timing ``release_lag`` candidates (its calls then
+        capture and time: not yet the steady state)."""
+        return bool(getattr(self.program, "tuning", False))
 
 
 def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.Tensor], *,

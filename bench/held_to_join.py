@@ -198,10 +198,10 @@ def recording() -> Iterator[list[Held]]:
         for stream, size in live_bytes_by_stream(self, env, streams[id(self)]).items():
             peaks[stream] = max(peaks.get(stream, 0), size)
 
-    def run_captured(self, env, context=None):
+    def run_captured(self, env, plan, context=None):
         peaks.clear()
         streams[id(self)] = SlotStreams.of(self)
-        original(self, env, context)
+        original(self, env, plan, context)
         values = held_values(self, env, streams.pop(id(self)))
         kept = sorted((v for v in values if v.kind != "returned"), key=lambda v: -v.size)
         found.append(Held(by_kind(values), dict(peaks), kept[:LARGEST]))

@@ -348,6 +348,8 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
             built = build_step(variant, model, inputs)
             for _ in range(WARMUP_STEPS):
                 built.step()
+            while built.tuning():
+                built.step()
             torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:

@@ -119,6 +119,8 @@ def measure(cfg, name: str, base, inputs, reference, args) -> dict:
             built = build_step(variant, model, inputs, after_first=after_first)
             for _ in range(WARMUP_STEPS):
                 built.step()
+            while built.tuning():  # compile_step timing release_lag candidates
+                built.step()
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         memory.before_timing()
@@ -472,6 +474,9 @@ def _notes(r: dict) -> str:
                  + (f" (not early: {refused[:160]})" if refused else ""))
     if r.get("uncaptured_reason"):
         text += f", not captured: {str(r['uncaptured_reason'])[:160]}"
+    if r.get("release_lag_trials"):
+        text += (f", release_lag={r['release_lag_chosen']} chosen of "
+                 f"{r['release_lag_trials']}")
     return text
 
 

@@ -100,7 +100,13 @@ class EraseConfig:
             (``bench/results/2026-12-01-b-NOTES.md``); ``release_lag=2`` took
             the DGL ViT from 1.34x to 0.88x of stock's step memory for 1% of
             time, and slowed DGL ResNet-18 by 12% for nothing
-            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). Outside capture the
+            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). ``"auto"``:
+            `erase_fx.compile_step` chooses: it captures the step once per
+            candidate (None, 2, 1), times a few replays of each (real
+            training steps) and keeps the lag whose graph holds the least
+            memory among those within 2% of the fastest
+            (`erase_fx.lag_tuning`); elsewhere (erase's own graphs, a
+            capture by hand) ``"auto"`` acts as None. Outside capture the
             caching allocator frees every tensor as soon as its last reader is
             done, whatever this says (see
             `erase_fx.emit.release`).
@@ -202,7 +208,7 @@ class EraseConfig:
     cudagraphs: bool | None = None
     dump_dir: str | None = None
     overlap: bool = True
-    release_lag: int | None = None
+    release_lag: int | str | None = None
     stages_on_side: bool | None = None
     copy_input_values: bool = True
     recompute_boundary_values: bool = True
@@ -237,10 +243,11 @@ class EraseConfig:
                                    "a share of the backward's FLOPs, from 0 to 1")
         if self.stages_on_side is not None:
             _check_type("stages_on_side", self.stages_on_side, bool)
-        if self.release_lag is not None:
-            _check_type("release_lag", self.release_lag, int)
-            if self.release_lag < 1:
-                raise EraseOptionError("release_lag", self.release_lag, "an integer >= 1 or None")
+        if self.release_lag is not None and self.release_lag != "auto":
+            if (not isinstance(self.release_lag, int) or isinstance(self.release_lag, bool)
+                    or self.release_lag < 1):
+                raise EraseOptionError("release_lag", self.release_lag,
+                                       "an integer >= 1, 'auto' or None")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")
 

@@ -35,6 +35,10 @@ warmed up ─► CAPTURE into a private memory pool (executes nothing), record t
       once: that is this call's step
 captured, guards hold ─► REPLAY: copy tensor arguments into the static buffers, replay, copy
       back arguments the step mutates, return clones of the outputs
+captured with a program built with ``release_lag="auto"`` ─► TUNE: the replays after the first
+      are timed; after a few, the graph is dropped and the next call captures the next
+      candidate lag (not counted toward ``max_captures``), until the chosen one
+      is in hand (`erase_fx.lag_tuning`); every call is still one real step
 ``max_captures`` reached, argument not capturable ─► UNCAPTURED (run as written; reason logged once)
 capture failed (a host sync, a non-capturable optimizer) ─► restore the Python state the capture
       touched, then UNCAPTURED from then on (``on_unsupported="fallback"``) or raise
@@ -129,9 +133,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.early_update import describe_refusals, open_session
-from erase_fx.emit.capture_scope import whole_step_scope
+from erase_fx.emit.capture_scope import release_lag_trial, whole_step_scope
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
+from erase_fx.lag_tuning import KEEP, TIME_TOLERANCE, LagTuner, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +225,12 @@ class CompiledStep:
             capture updates early, on the update streams.
         early_refused: with ``early_optimizer``, why the last capture did not
             update the other parameters of early blocks early, with how many.
+        tuning_captures: captures made to time a ``release_lag`` candidate or
+            to keep the chosen one (see `erase_fx.lag_tuning`); not counted
+            in ``captures`` nor toward ``max_captures``.
+        release_lag_tunings: per signature tuned, in order, its
+            `erase_fx.lag_tuning.LagTuner` (``measured``: each candidate's
+            times and pool size; ``chosen``).
     """
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 2, max_captures: int = 8,
@@ -245,6 +256,8 @@ class CompiledStep:
         self.early_updated = 0
         self.early_refused: dict[str, int] = {}
         self.captures = 0
+        self.tuning_captures = 0
+        self.release_lag_tunings: list[LagTuner] = []
         self.replays = 0
         self.warmups = 0
         self.uncaptured_reason: str | None = None
@@ -256,6 +269,13 @@ class CompiledStep:
         self._module_hook: Any = None
         self._module_hook_done = False
         self._side: Any = None
+
+    @property
+    def tuning(self) -> bool:
+        """Whether a signature's ``release_lag`` is still being chosen (its next calls time a
+        candidate or capture the choice; `erase_fx.lag_tuning`)."""
+        return any(e.tuning_capture or (e.tuner is not None and not e.tuner.done)
+                   for e in self._entries.values())
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", repr(self.fn))
@@ -289,13 +309,15 @@ class CompiledStep:
             self._log_once(logging.WARNING, f"recapturing, after {self.warmup} warm-up calls",
                            why)
             entry.drop()
+            if entry.tuner is not None:
+                entry.tuner.forget_replays()
         if entry.warmups < self.warmup or entry.hooked != (self._module_hook is not None):
             # NB: a change of the module hook since the last warm-up changes Dynamo's guards:
             # one more warm-up compiles for it, so that the capture never compiles.
-            if self.captures >= self.max_captures:
+            if self.captures >= self.max_captures and not entry.tuning_capture:
                 return self._over_bound(entry, args, kwargs)
             return self._warm_up(entry, args, kwargs, leaves)
-        if self.captures >= self.max_captures:
+        if self.captures >= self.max_captures and not entry.tuning_capture:
             return self._over_bound(entry, args, kwargs)
         return self._capture(entry, args, kwargs, leaves, spec)
 
@@ -341,13 +363,15 @@ class CompiledStep:
         side = self._side_stream()
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
+        lag = entry.tuner.lag if entry.tuner is not None else None
         try:
             # NB: our own stream context outside the capture's: if capture_end raises,
             # torch.cuda.graph leaves its stream set; ours puts the caller's back.
             with self._recording(), whole_step_scope(), torch.cuda.stream(side):
-                with self._early_updates() as session, torch.cuda.graph(
-                        graph, pool=torch.cuda.graph_pool_handle(), stream=side,
-                        capture_error_mode="thread_local"):
+                with self._early_updates() as session, release_lag_trial(lag) as trial, \
+                        torch.cuda.graph(graph, pool=pool, stream=side,
+                                         capture_error_mode="thread_local"):
                     out = self.fn(*static_args, **static_kwargs)
         except Exception as error:  # noqa: BLE001 - every capture failure is reported below
             graph = None  # NB: dropped now: its destructor releases the generators' capture state
@@ -386,23 +410,57 @@ class CompiledStep:
         entry.out_spec = out_spec
         entry.record = _Record(self._known, before)
         self._note_early_updates(session)
-        self.captures += 1
-        log.info("erase_fx compile_step %s: captured (%d of at most %d)", self._name,
-                 self.captures, self.max_captures)
+        if entry.tuner is None and trial.asked:
+            entry.tuner = LagTuner()
+            self.release_lag_tunings.append(entry.tuner)
+        tuning, entry.tuning_capture = entry.tuning_capture, False
+        if tuning:
+            self.tuning_captures += 1
+            log.info("erase_fx compile_step %s: captured with release_lag=%s", self._name, lag)
+        else:
+            self.captures += 1
+            log.info("erase_fx compile_step %s: captured (%d of at most %d)", self._name,
+                     self.captures, self.max_captures)
+        if entry.tuner is not None and not entry.tuner.done:
+            entry.tuner.captured(pool_bytes(pool))
+        elif tuning:
+            _release_dropped_pools()  # the chosen lag's capture: the candidates' graphs are gone
         return self._replay(entry, leaves, copy_inputs=False)
 
     def _replay(self, entry: _Entry, leaves: list[Any], copy_inputs: bool = True) -> Any:
         if copy_inputs and entry.input_indices:
             torch._foreach_copy_(entry.static_inputs, [leaves[i] for i in entry.input_indices])
-        entry.graph.replay()
+        tuner = entry.tuner
+        if tuner is None or tuner.done:
+            entry.graph.replay()
+        else:
+            tuner.replay(entry.graph)
         self.replays += 1
         for i, static in entry.copy_back:
             leaves[i].copy_(static)
         self.uncaptured_reason = None
         if entry.single:
-            return entry.outputs[0].clone()
-        outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in entry.outputs]
-        return pytree.tree_unflatten(outputs, entry.out_spec)
+            result = entry.outputs[0].clone()
+        else:
+            outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in entry.outputs]
+            result = pytree.tree_unflatten(outputs, entry.out_spec)
+        if tuner is not None and not tuner.done:
+            self._after_timed_replay(entry, tuner)
+        return result
+
+    def _after_timed_replay(self, entry: _Entry, tuner: LagTuner) -> None:
+        """Go on timing, or drop the graph so that the next call captures the next lag."""
+        verdict = tuner.next_capture()
+        if tuner.done:
+            log.info("erase_fx compile_step %s: release_lag=%s chosen (least memory within "
+                     "%.0f%% of the fastest): %s", self._name, tuner.chosen,
+                     100 * TIME_TOLERANCE, "; ".join(m.describe() for m in tuner.measured))
+        if verdict == KEEP:
+            if tuner.done:
+                _release_dropped_pools()
+            return
+        entry.drop(warm_up_again=False)
+        entry.tuning_capture = True
 
     def _over_bound(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
         self._end_module_discovery()
@@ -511,15 +569,28 @@ class _Entry:
     out_spec: Any = None
     single: bool = False
     record: _Record | None = None
+    #: with programs built with ``release_lag="auto"``: the lag tuning (`erase_fx.lag_tuning`)
+    tuner: LagTuner | None = None
+    #: the next capture is one of the tuning's (not counted toward ``max_captures``)
+    tuning_capture: bool = False
 
-    def drop(self) -> None:
-        """Forget the graph (its memory goes once nothing holds its tensors) and warm up again."""
+    def drop(self, warm_up_again: bool = True) -> None:
+        """Forget the graph (its memory goes once nothing holds its tensors) and, unless only
+        the release lag changes, warm up again."""
         self.graph = None
         self.record = None
         self.static_inputs = []
         self.copy_back = []
         self.outputs = []
-        self.warmups = 0
+        if warm_up_again:
+            self.warmups = 0
+            self.tuning_capture = False
+
+
+def _release_dropped_pools() -> None:
+    """Once a tuning has chosen, give the caching allocator's free memory back to the driver:
+    the pools of the candidates' dropped graphs (once, when the tuning ends)."""
+    torch.cuda.empty_cache()
 
 
 # -- signature ----------------------------------------------------------------

@@ -42,6 +42,7 @@ def test_variant_names_read_and_write_back(name, parsed):
     ("inductor/one-stream", "erase variants only"),
     ("erase/streams=01", "is not one of"),
     ("erase/release-lag=0", "is not one of"),
+    ("erase/release-lag=Auto", "is not one of"),
     ("erase/release_lag=1", "is not one of"),
     ("torchsched", "is not one of eager, paper"),
     ("Erase", "is not compiler"),
@@ -90,6 +91,7 @@ def test_erase_options_of_the_controls():
         "recompute_boundary_values"] is False
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
+    assert Variant.parse("erase+step/release-lag=auto").erase_options["release_lag"] == "auto"
 
 
 def test_controls_chain_and_may_not_set_one_option_twice():

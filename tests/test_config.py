@@ -46,7 +46,13 @@ def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
     {"stages_on_side": "yes"},
     {"min_part_share": -0.01}, {"min_part_share": 1.5}, {"min_part_share": float("nan")},
     {"min_part_share": True}, {"min_part_share": "0.1"},
+    {"release_lag": 0}, {"release_lag": True}, {"release_lag": "2"}, {"release_lag": "Auto"},
 ])
 def test_bad_values(changes):
     with pytest.raises(EraseOptionError):
         EraseConfig(**changes)
+
+
+@pytest.mark.parametrize("lag", [None, 1, 3, "auto"])
+def test_release_lag_values(lag):
+    assert EraseConfig(release_lag=lag).release_lag == lag

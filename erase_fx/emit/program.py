@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from erase_fx.emit.capture_scope import AUTO, auto_release_lag
 from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
@@ -120,7 +121,7 @@ class StreamProgram(Boxed):
         results: tuple[tuple[str, Any], ...],
         streams: StreamOps,
         constants: tuple[tuple[int, Any], ...] = (),
-        release_lag: int | None = None,
+        release_lag: int | str | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -135,12 +136,26 @@ class StreamProgram(Boxed):
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
-        #: how a captured run frees memory (`erase_fx.emit.release`)
-        self.capture_plan: CapturePlan = plan_captured_releases(
-            [StepIO(s.stream, s.inputs, s.outputs) for s in steps], num_inputs,
-            {slot for kind, slot in results if kind == "slot"}, release_lag)
+        #: an int, None, or "auto": the lag of each call's capture trial (`auto_release_lag`)
+        self.release_lag = release_lag
+        self._plans: dict[int | None, CapturePlan] = {}
+        #: whether the release lag changes anything here: some tensor the main stream makes
+        #: and only side streams read (with each block's stage on its side stream, none)
+        self.lag_matters = any(self.capture_plan_for(1).releases_before)
+        #: how a captured run frees memory (`erase_fx.emit.release`); with "auto", outside a
+        #: trial
+        self.capture_plan = self.capture_plan_for(
+            None if release_lag == AUTO else release_lag)
         #: per caller of `add_completion_hooks`: its begin hook and its hooks by step
         self.hook_clients: tuple[tuple[BeginHook, dict[int, tuple[CompletionHook, ...]]], ...] = ()
+
+    def capture_plan_for(self, lag: int | None) -> CapturePlan:
+        """The release plan of a captured run with release lag ``lag`` (computed once per lag)."""
+        if lag not in self._plans:
+            self._plans[lag] = plan_captured_releases(
+                [StepIO(s.stream, s.inputs, s.outputs) for s in self.steps], self.num_inputs,
+                {slot for kind, slot in self.results if kind == "slot"}, lag)
+        return self._plans[lag]
 
     def add_completion_hooks(
         self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
@@ -178,7 +193,7 @@ class StreamProgram(Boxed):
         segmented: SegmentedForward,
         compiled: Mapping[str, BoxedCallable],
         streams: StreamOps,
-        release_lag: int | None = None,
+        release_lag: int | str | None = None,
     ) -> StreamProgram:
         graph = segmented.gm.graph
         slot: dict[fx.Node, int] = {}
@@ -258,10 +273,13 @@ class StreamProgram(Boxed):
             self._complete(-1, env, contexts)
         # NB: the side streams start from the main stream's state: the inputs are ready
         self.streams.fork(self.side_streams)
+        plan = self.capture_plan
+        if self.release_lag == AUTO and self.lag_matters:
+            plan = self.capture_plan_for(auto_release_lag())
         if not (self.side_streams and _capturing()):
             self._run(env, contexts)
         else:
-            self._run_captured(env, contexts)
+            self._run_captured(env, plan, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
         self.streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
@@ -287,8 +305,8 @@ class StreamProgram(Boxed):
                           else self.results[i][1] for i in hook.results]
                 hook.fn(context, values, hook.streams, self.streams)
 
-    def _run_captured(self, env: list[Any], contexts: Any = None) -> None:
-        """Under CUDA graph capture: slots dropped as `plan_captured_releases` orders them.
+    def _run_captured(self, env: list[Any], plan: CapturePlan, contexts: Any = None) -> None:
+        """Under CUDA graph capture: slots dropped as ``plan`` (`plan_captured_releases`) orders.
 
         NB: a step output that lives in memory a value alive before the step
         already has (a view of an input or of another stream's tensor) is
@@ -300,7 +318,6 @@ class StreamProgram(Boxed):
         projection): they were made on the step's stream, and their memory is
         freed when the last of them is dropped, each by its own rule.
         """
-        plan = self.capture_plan
         pinned: set[int] = set()
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):

@@ -1,0 +1,250 @@
+"""`erase_fx.lag_tuning`: the choice of ``release_lag`` by timed captures, and its plumbing.
+
+The pure rules (`choose_lag`, `next_candidate`) and the tuner's sequence are
+checked directly; the programs' side (a ``release_lag="auto"`` program plans
+its captured frees with the open trial's lag and says it asked) on CPU
+through the captured path; `compile_step`'s side with the fake CUDA of
+``fake_cuda.py``, timings and pool sizes given per lag by the test. The GPU
+runs it for real in ``bench/check_step.py`` (``--checks release-lag``).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from erase_fx import compile_step, lag_tuning
+from erase_fx.config import EraseConfig
+from erase_fx import step as step_module
+from erase_fx.emit import capture_scope
+from erase_fx.emit import program as program_module
+from erase_fx.lag_tuning import KEEP, LagMeasurement, LagTuner, choose_lag, next_candidate
+from fake_cuda import fake_cuda  # noqa: F401 - a fixture
+from graphs import Chain as GraphChain
+from graphs import Stages, chain_inputs, real_values
+from test_program import build
+from test_step import erase_training, two_model_step
+
+MiB = 2**20
+
+
+def m(lag, ms, mib):
+    return LagMeasurement(lag, ms, ms, ms, mib * MiB)
+
+
+# -- the rules ------------------------------------------------------------------
+
+
+def test_choose_lag_takes_the_least_memory_among_the_fast():
+    assert choose_lag([m(None, 10.0, 500), m(2, 10.1, 300), m(1, 11.0, 200)]) == 2
+    assert choose_lag([m(None, 10.0, 500), m(2, 10.5, 300)]) is None  # 5% slower: too slow
+    assert choose_lag([m(None, 10.1, 500), m(2, 10.0, 500)]) is None  # a tie: the first
+    assert choose_lag([m(None, 10.0, 500), m(2, 10.5, 300)], tolerance=0.1) == 2
+    with pytest.raises(ValueError):
+        choose_lag([])
+
+
+def test_next_candidate_skips_smaller_lags_than_a_slow_one():
+    assert next_candidate([]) == (True, None)
+    assert next_candidate([m(None, 10.0, 500)]) == (True, 2)
+    assert next_candidate([m(None, 10.0, 500), m(2, 10.1, 400)]) == (True, 1)
+    # 2 was too slow: 1 waits sooner still, so it is not tried
+    assert next_candidate([m(None, 10.0, 500), m(2, 12.0, 400)]) == (False, None)
+    # a slow 1 says nothing of 2
+    assert next_candidate([m(None, 10.0, 500), m(1, 12.0, 400)], (None, 1, 2)) == (True, 2)
+    assert next_candidate([m(None, 1, 1), m(2, 1, 1), m(1, 1, 1)]) == (False, None)
+
+
+class FakeTimes:
+    """`timed_replay` and `median_and_range` as the GPU would answer, per the tuner's lag."""
+
+    def __init__(self, monkeypatch, ms_by_lag):
+        self.ms_by_lag = ms_by_lag
+        self.tuner = None
+        self.replays = 0
+        monkeypatch.setattr(lag_tuning, "timed_replay", self.timed_replay)
+        monkeypatch.setattr(lag_tuning, "median_and_range", self.median_and_range)
+
+    def timed_replay(self, graph):
+        graph.replay()
+        self.replays += 1
+        return None, None
+
+    def median_and_range(self, pairs):
+        ms = self.ms_by_lag[self.tuner.lag]
+        return ms, ms, ms
+
+
+class Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def run_tuner(tuner, times, mib_by_lag):
+    """Drive a tuner as compile_step does; the lags it captured, in order."""
+    times.tuner = tuner
+    captured = []
+    while not tuner.done:
+        captured.append(tuner.lag)
+        tuner.captured(mib_by_lag[tuner.lag] * MiB)
+        graph = Graph()
+        verdict = KEEP
+        while verdict == KEEP and not tuner.done:
+            tuner.replay(graph)
+            verdict = tuner.next_capture()
+        assert graph.replays == lag_tuning.TIMED_REPLAYS + 1  # the capture's own, untimed
+    if verdict != KEEP:
+        captured.append(verdict)  # the chosen lag's capture, not timed
+    return captured
+
+
+def test_the_tuner_measures_each_candidate_and_keeps_the_choice_in_hand(monkeypatch):
+    times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.1, 1: 10.9})
+    tuner = LagTuner()
+    captured = run_tuner(tuner, times, {None: 500, 2: 300, 1: 250})
+    # 1 is too slow; 2 is the least memory among the fast: captured again to keep it
+    assert captured == [None, 2, 1, 2] and tuner.done and tuner.chosen == 2
+    assert [x.lag for x in tuner.measured] == [None, 2, 1]
+    assert tuner.lag == 2  # the next capture's
+    assert times.replays == 3 * lag_tuning.TIMED_REPLAYS
+
+
+def test_the_tuner_skips_a_lag_below_a_slow_one_and_recaptures_the_choice(monkeypatch):
+    times = FakeTimes(monkeypatch, {None: 10.0, 2: 13.0, 1: 9.0})
+    tuner = LagTuner()
+    captured = run_tuner(tuner, times, {None: 500, 2: 300, 1: 250})
+    assert captured == [None, 2, None] and tuner.chosen is None  # 1 skipped: 2 was slow
+    assert tuner.measured[-1].describe().startswith("release_lag=2: 13.000 ms")
+
+
+def test_the_tuner_keeps_the_graph_in_hand_when_it_is_the_choice(monkeypatch):
+    times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.0, 1: 10.0})
+    tuner = LagTuner()
+    assert run_tuner(tuner, times, {None: 500, 2: 300, 1: 250}) == [None, 2, 1]
+    assert tuner.chosen == 1
+
+
+# -- the programs' side ---------------------------------------------------------------
+
+
+def build_program(release_lag):
+    """Chain(5) on two streams, stages on the main stream: block activations cross streams."""
+    stages = Stages(GraphChain(5), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+    program, _ = build(stages, trace=False, release_lag=release_lag)
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    return program, lambda: list(args)
+
+
+def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch):
+    program, inputs = build_program("auto")
+    assert program.lag_matters
+    assert program.capture_plan == program.capture_plan_for(None)
+    assert program.capture_plan_for(2) != program.capture_plan_for(None)
+    plans = []
+    original = program_module.StreamProgram._run_captured
+
+    def spy(self, env, plan, contexts=None):
+        plans.append(plan)
+        original(self, env, plan, contexts)
+
+    monkeypatch.setattr(program_module.StreamProgram, "_run_captured", spy)
+    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    program(inputs())
+    with capture_scope.release_lag_trial(2) as trial:
+        program(inputs())
+        with capture_scope.release_lag_trial(1) as inner:  # a step inside a step: outer decides
+            program(inputs())
+    program(inputs())
+    assert plans == [program.capture_plan_for(lag) for lag in (None, 2, 2, None)]
+    assert (trial.asked, inner.asked) == (2, 0)
+
+
+def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
+    fixed, inputs = build_program(2)
+    with capture_scope.release_lag_trial(1) as trial:
+        fixed(inputs())
+    assert trial.asked == 0
+    assert fixed.capture_plan == fixed.capture_plan_for(2)
+    stages = Stages(GraphChain(5), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+    on_side, _ = build(stages, trace=False, release_lag="auto")
+    assert not on_side.lag_matters  # each block's activations are made on its own stream
+
+
+# -- compile_step ------------------------------------------------------------------
+#
+# NB: under the fake capture (a TorchDispatchMode) Dynamo runs compiled models eagerly, so the
+# step stands in for a release_lag="auto" program by asking as one does (`auto_release_lag`).
+
+
+class Asking:
+    """A model call that asks for the trial's lag, as a ``release_lag="auto"`` program does."""
+
+    def __init__(self, model):
+        self.model = model
+        self.lags = []
+
+    def __call__(self, x, y):
+        self.lags.append(capture_scope.auto_release_lag())
+        return self.model(x, y)
+
+
+def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
+    (model,), (opt,) = (x[:1] for x in erase_training("sgd"))
+    (ref_model,), (ref_opt,) = (x[:1] for x in erase_training("sgd"))
+    asking = Asking(model) if ask else model
+    step = compile_step(two_model_step([model], [opt], [asking]))
+    reference = two_model_step([ref_model], [ref_opt], [ref_model])
+    times = FakeTimes(monkeypatch, ms_by_lag)
+    monkeypatch.setattr(step_module, "pool_bytes",
+                        lambda pool: mib_by_lag[step.release_lag_tunings[-1].lag] * MiB)
+    return step, reference, times, asking, (model, ref_model)
+
+
+def train(step, reference, times, calls):
+    g = torch.Generator().manual_seed(3)
+    for i in range(calls):
+        if step.release_lag_tunings:
+            times.tuner = step.release_lag_tunings[0]
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        assert torch.equal(step(x, y), reference(x, y)), i
+
+
+def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeypatch, caplog):
+    step, reference, times, asking, (model, ref_model) = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
+    calls = 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 4
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        train(step, reference, times, calls)
+    (tuner,) = step.release_lag_tunings
+    assert tuner.done and tuner.chosen == 2
+    assert [x.lag for x in tuner.measured] == [None, 2, 1]
+    # two warm-ups, the capture with None, one more warm-up (the module hook is gone: see
+    # compile_step), then captures with 2, 1 and the chosen 2; two micro-batches each
+    assert asking.lags == [None] * 6 + [None, None, 2, 2, 1, 1, 2, 2]
+    assert (step.captures, step.tuning_captures, step.warmups) == (1, 3, 3)
+    assert step.replays == calls - 3
+    assert "release_lag=2 chosen" in caplog.text
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_tuning_captures_do_not_count_toward_max_captures(fake_cuda, monkeypatch):
+    step, reference, times, _, _ = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.0, 1: 10.0}, {None: 500, 2: 300, 1: 250})
+    step.max_captures = 1
+    train(step, reference, times, 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2)
+    assert (step.captures, step.tuning_captures) == (1, 2)
+    assert step.release_lag_tunings[0].chosen == 1 and step.uncaptured_reason is None
+
+
+def test_a_step_without_an_auto_program_is_not_tuned(fake_cuda, monkeypatch):
+    step, reference, times, _, _ = tuned_training(monkeypatch, {}, {}, ask=False)
+    train(step, reference, times, 8)
+    assert (step.captures, step.tuning_captures, step.release_lag_tunings) == (1, 0, [])
