@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -620,7 +621,7 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     replays of each (real training steps) and keeps one. The result must be bitwise what the
     default (held to the join) trains, in deterministic mode: a lag frees memory sooner, a race
     would change bits."""
-    from erase_fx.lag_tuning import CANDIDATES, TIMED_REPLAYS
+    from erase_fx.lag_tuning import CANDIDATES, TIMED_REPLAYS, graph_pools
 
     # NB: enough steps for two warm-ups, one more after the first capture, every candidate
     # timed and the chosen one captured
@@ -632,14 +633,22 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     base, batches = loaded
     with deterministic_algorithms():
         train_in_step(base, batches[:2])  # NB: the process's first compile autotunes
-        held = train_in_step(base, batches)
         auto = train_in_step(base, batches, options={"release_lag": "auto"})
-    step = auto[1]
+        step = auto[1]
+        # NB: only the chosen graph's pool may remain: the candidates' graphs were dropped
+        gc.collect()
+        torch.cuda.empty_cache()
+        pools = graph_pools()
+        held = train_in_step(base, batches)
     tunings = step.release_lag_tunings
     measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
-    report.check(f"release_lag='auto' on {config}: tuned within {len(batches)} steps",
-                 bool(tunings) and tunings[0].done and not step.tuning,
-                 f"chosen {tunings[0].chosen if tunings else '-'} of {measured}; "
+    chosen = [m for m in tunings[0].measured if m.lag == tunings[0].chosen] if tunings else []
+    report.check(f"release_lag='auto' on {config}: tuned within {len(batches)} steps, "
+                 "one graph pool left",
+                 bool(tunings) and tunings[0].done and not step.tuning and len(pools) == 1,
+                 f"chosen {tunings[0].chosen if tunings else '-'} of {measured}; graph pools "
+                 f"after: {', '.join(f'{b / 2**20:.0f} MiB' for b in pools.values())} (the "
+                 f"choice measured {chosen[0].pool_bytes / 2**20 if chosen else 0:.0f} MiB); "
                  f"{step.tuning_captures} tuning captures; {counts(step)}")
     check_bitwise(report, f"release_lag='auto' on {config}, compile_step, {len(batches)} "
                   "steps, against release_lag=None", auto, held)

@@ -172,6 +172,17 @@ def median_and_range(pairs: Sequence[tuple[Any, Any]]) -> tuple[float, float, fl
     return statistics.median(times), min(times), max(times)
 
 
+def graph_pools() -> dict[tuple[int, ...], int]:
+    """Bytes of the segments the caching allocator holds per CUDA graph pool (the native
+    allocator; the default pool, id (0, 0), left out)."""
+    pools: dict[tuple[int, ...], int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):
+            pools[pool] = pools.get(pool, 0) + segment["total_size"]
+    return pools
+
+
 def pool_bytes(pool: Any) -> int:
     """Bytes of the segments the caching allocator holds for the graph pool ``pool``: what a
     captured graph keeps (the native allocator; 0 where its snapshot has no pool ids)."""

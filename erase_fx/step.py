@@ -409,6 +409,9 @@ class CompiledStep:
         entry.outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
         entry.out_spec = out_spec
         entry.record = _Record(self._known, before)
+        # NB: the state before the capture holds the last graph's .grad tensors: gone now,
+        # so that a tuning's dropped graphs can give their pools back (_release_dropped_pools)
+        del before
         self._note_early_updates(session)
         if entry.tuner is None and trial.asked:
             entry.tuner = LagTuner()
@@ -589,7 +592,9 @@ class _Entry:
 
 def _release_dropped_pools() -> None:
     """Once a tuning has chosen, give the caching allocator's free memory back to the driver:
-    the pools of the candidates' dropped graphs (once, when the tuning ends)."""
+    the pools of the candidates' dropped graphs (once, when the tuning ends). A pool's segment
+    goes back only once every block in it is free: call it when nothing references a tensor
+    of those graphs (their ``.grad`` tensors included)."""
     torch.cuda.empty_cache()
 
 

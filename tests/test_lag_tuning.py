@@ -10,6 +10,7 @@ runs it for real in ``bench/check_step.py`` (``--checks release-lag``).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -248,3 +249,36 @@ def test_a_step_without_an_auto_program_is_not_tuned(fake_cuda, monkeypatch):
     step, reference, times, _, _ = tuned_training(monkeypatch, {}, {}, ask=False)
     train(step, reference, times, 8)
     assert (step.captures, step.tuning_captures, step.release_lag_tunings) == (1, 0, [])
+
+
+def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_cuda,
+                                                                           monkeypatch):
+    """A pool's segments go back to the driver only once all its blocks are free: when the
+    tuning releases the candidates' pools, nothing may hold their ``.grad`` tensors."""
+    step, reference, times, _, (model, _) = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
+    grads_of_captures = []
+    seen = [0]
+
+    def watch_captures():
+        made = step.captures + step.tuning_captures
+        if made > seen[0]:
+            seen[0] = made
+            grads_of_captures.append([weakref.ref(p.grad) for p in model.parameters()])
+
+    alive_at_release = []
+
+    def release():
+        current = {id(p.grad) for p in model.parameters()}
+        alive_at_release.append(sum(1 for refs in grads_of_captures for r in refs
+                                    if r() is not None and id(r()) not in current))
+
+    monkeypatch.setattr(step_module, "_release_dropped_pools", release)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2):
+        if step.release_lag_tunings:
+            times.tuner = step.release_lag_tunings[0]
+        step(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
+        watch_captures()
+    assert step.tuning_captures == 3 and len(grads_of_captures) == 4  # the last: the choice
+    assert alive_at_release == [0]
