@@ -194,7 +194,10 @@ class Growth:
     ``free_before`` is the stream's large-segment memory not alive when the
     segment was made: at least ``request`` of it means the pool had room in
     total but no free block large enough (fragmentation); less means the
-    stream needed more.
+    stream needed more. ``largest_free`` is the largest run of that memory in
+    one segment, what one request could have had: the 1.6 MiB tails of many
+    26 MiB segments add up to a large ``free_before`` with a small
+    ``largest_free``.
     """
 
     stream: int
@@ -202,6 +205,7 @@ class Growth:
     request: int
     held_before: int
     free_before: int
+    largest_free: int
     made_by: str
     under: str
 
@@ -220,21 +224,23 @@ def pool_growths(snapshot: Mapping[str, Any],
     with it."""
     growths: dict[int, Growth] = {}  # by segment address, in order
     for trace in _graph_pool_traces(snapshot):
-        held: dict[int, int] = {}
+        segments: dict[int, dict[int, int]] = {}  # stream -> its large segments' sizes
         alive: dict[int, dict[int, int]] = {}
         waiting: dict[int, Mapping[str, Any]] = {}  # stream -> its new segment's entry
         for entry in trace:
             action, address = entry.get("action"), entry.get("addr", -1)
             stream, size = entry["stream"], entry.get("size", 0)
             blocks = alive.setdefault(stream, {})
+            held = segments.setdefault(stream, {})
             if action in ("segment_alloc", "segment_free") and size == SMALL_SEGMENT:
                 continue
             if action == "segment_alloc":
-                waiting[stream] = {**entry, "held": held.get(stream, 0),
-                                   "alive": sum(blocks.values())}
-                held[stream] = held.get(stream, 0) + size
+                waiting[stream] = {**entry, "held": sum(held.values()),
+                                   "alive": sum(blocks.values()),
+                                   "largest_free": _largest_free_run(held, blocks)}
+                held[address] = size
             elif action == "segment_free":
-                held[stream] = held.get(stream, 0) - size
+                held.pop(address, None)
                 growths.pop(address, None)
                 for block in [b for b in blocks if address <= b < address + size]:
                     del blocks[block]
@@ -247,10 +253,24 @@ def pool_growths(snapshot: Mapping[str, Any],
                     made_by, under, _ = describe(entry.get("frames") or segment.get("frames", ()))
                     growths[segment["addr"]] = Growth(
                         stream, segment["size"], size, segment["held"],
-                        segment["held"] - segment["alive"], made_by, under)
+                        segment["held"] - segment["alive"], segment["largest_free"], made_by,
+                        under)
             elif action == "free_completed":
                 blocks.pop(address, None)
     return list(growths.values())
+
+
+def _largest_free_run(segments: Mapping[int, int], blocks: Mapping[int, int]) -> int:
+    """The longest stretch of ``segments`` (address -> size) that no block in ``blocks``
+    (address -> size) covers, within one segment."""
+    largest = 0
+    for start, size in segments.items():
+        cursor, end = start, start + size
+        for address in sorted(b for b in blocks if start <= b < end):
+            largest = max(largest, address - cursor)
+            cursor = max(cursor, address + blocks[address])
+        largest = max(largest, end - cursor)
+    return largest
 
 
 def stream_names(program: Any = None) -> dict[int, str]:
@@ -294,7 +314,8 @@ def format_report(title: str, report: Sequence[StreamMemory], names: Mapping[int
                       f"them with the request's size free in the others (fragmentation, "
                       f"{sum(g.segment for g in fragmented) / MIB:.1f} MiB):"]
         lines += [f"- +{g.segment / MIB:.1f} MiB for {g.request / MIB:.1f} MiB, "
-                  f"{g.free_before / MIB:.1f} of {g.held_before / MIB:.1f} MiB free: {g.made_by}"
+                  f"{g.free_before / MIB:.1f} of {g.held_before / MIB:.1f} MiB free, the "
+                  f"largest run {g.largest_free / MIB:.1f}: {g.made_by}"
                   + (f" (under {g.under})" if g.under else "") for g in fragmented]
     return "\n".join(lines)
 

@@ -161,10 +161,20 @@ def test_pool_growths_flag_a_segment_made_while_enough_was_free_in_pieces():
     }
     describe = lambda frames: (frames[0]["name"] if frames else "?", "", "")  # noqa: E731
     growths = pool_growths(snapshot, describe=describe)
-    assert [(g.segment / M, g.request / M, g.held_before / M, g.free_before / M, g.fragmented)
-            for g in growths] == [(6, 4, 0, 0, False), (5, 4.5, 6, 4.5, True),
-                                  (8, 7, 11, 5, False)]
+    assert [(g.segment / M, g.request / M, g.held_before / M, g.free_before / M,
+             g.largest_free / M, g.fragmented)
+            for g in growths] == [(6, 4, 0, 0, 0, False), (5, 4.5, 6, 4.5, 4, True),
+                                  (8, 7, 11, 5, 4, False)]
     assert growths[1].made_by == "logits"
     report = high_water_marks(snapshot, describe=lambda frames: ("made", "", ""))
     text = format_report("t", report, {SIDE: "side 1"}, growths)
     assert "side 1's pool grew by 3 large segments, 1 of them with the request's size free" in text
+
+
+def test_largest_free_run_is_within_one_segment():
+    from bench.memory_profile import _largest_free_run
+    assert _largest_free_run({}, {}) == 0
+    assert _largest_free_run({0: 10}, {}) == 10
+    assert _largest_free_run({0: 10}, {0: 3, 7: 3}) == 4  # between the two blocks
+    assert _largest_free_run({0: 10, 10: 10}, {0: 6, 14: 6}) == 4  # 6-10 and 10-14: not one run
+    assert _largest_free_run({0: 10}, {0: 10, 20: 5}) == 0  # a block elsewhere: not here
