@@ -174,7 +174,7 @@ def median_and_range(pairs: Sequence[tuple[Any, Any]]) -> tuple[float, float, fl
 
 def graph_pools() -> dict[tuple[int, ...], int]:
     """Bytes of the segments the caching allocator holds per CUDA graph pool (the native
-    allocator; the default pool, id (0, 0), left out)."""
+    allocator's snapshot; the default pool, id (0, 0), left out)."""
     pools: dict[tuple[int, ...], int] = {}
     for segment in torch.cuda.memory_snapshot():
         pool = tuple(segment.get("segment_pool_id", (0, 0)))
@@ -185,6 +185,5 @@ def graph_pools() -> dict[tuple[int, ...], int]:
 
 def pool_bytes(pool: Any) -> int:
     """Bytes of the segments the caching allocator holds for the graph pool ``pool``: what a
-    captured graph keeps (the native allocator; 0 where its snapshot has no pool ids)."""
-    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if tuple(segment.get("segment_pool_id", ())) == tuple(pool))
+    captured graph keeps (`graph_pools`)."""
+    return graph_pools().get(tuple(pool), 0)

@@ -129,6 +129,16 @@ def test_the_tuner_keeps_the_graph_in_hand_when_it_is_the_choice(monkeypatch):
     assert tuner.chosen == 1
 
 
+def test_pool_bytes_sums_a_graph_pools_segments(monkeypatch):
+    segments = [{"segment_pool_id": (0, 0), "total_size": 100},  # the default pool
+                {"segment_pool_id": (1, 2), "total_size": 20},
+                {"segment_pool_id": (1, 2), "total_size": 6},
+                {"segment_pool_id": (1, 5), "total_size": 8}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert lag_tuning.graph_pools() == {(1, 2): 26, (1, 5): 8}
+    assert lag_tuning.pool_bytes((1, 2)) == 26 and lag_tuning.pool_bytes((7, 7)) == 0
+
+
 # -- the programs' side ---------------------------------------------------------------
 
 
