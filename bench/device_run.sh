@@ -127,7 +127,7 @@
 #                                      2026-12-03: ResNet-18's row ran apart, as auto-b)
 #   bash bench/device_run.sh auto-c    after the fix of the tuning's leftover pool: the check (one
 #                                      graph pool left), then "auto" against the default on
-#                                      ResNet-18, ctr:16384, gpt:8 and mlp:512 (~9 min, not yet run)
+#                                      ResNet-18, ctr:16384 and mlp:512 (~9 min, not yet run)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -554,7 +554,7 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     timeout 170 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-auto-c.log" || true
     timeout 400 python3 -m bench.run --budget-s 340 --out "$OUT/auto-c.json" --streams '' \
-      --configs tv-resnet18-dgl:256:32,ctr:16384:1024:2048:6,gpt:8:768:1024:6,mlp:512:1024:2048:6 \
+      --configs tv-resnet18-dgl:256:32,ctr:16384:1024:2048:6,mlp:512:1024:2048:6 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
