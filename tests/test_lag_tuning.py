@@ -215,11 +215,11 @@ def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
     times = FakeTimes(monkeypatch, ms_by_lag)
     monkeypatch.setattr(step_module, "pool_bytes",
                         lambda pool: mib_by_lag[step.release_lag_tunings[-1].lag] * MiB)
-    return step, reference, times, asking, (model, ref_model)
+    return step, reference, times, asking, (model, ref_model), (opt, ref_opt)
 
 
-def train(step, reference, times, calls):
-    g = torch.Generator().manual_seed(3)
+def train(step, reference, times, calls, seed=3):
+    g = torch.Generator().manual_seed(seed)
     for i in range(calls):
         if step.release_lag_tunings:
             times.tuner = step.release_lag_tunings[0]
@@ -228,7 +228,7 @@ def train(step, reference, times, calls):
 
 
 def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeypatch, caplog):
-    step, reference, times, asking, (model, ref_model) = tuned_training(
+    step, reference, times, asking, (model, ref_model), _ = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     calls = 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 4
     with caplog.at_level(logging.INFO, logger="erase_fx.step"):
@@ -247,7 +247,7 @@ def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeyp
 
 
 def test_tuning_captures_do_not_count_toward_max_captures(fake_cuda, monkeypatch):
-    step, reference, times, _, _ = tuned_training(
+    step, reference, times, *_ = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.0, 1: 10.0}, {None: 500, 2: 300, 1: 250})
     step.max_captures = 1
     train(step, reference, times, 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2)
@@ -256,7 +256,7 @@ def test_tuning_captures_do_not_count_toward_max_captures(fake_cuda, monkeypatch
 
 
 def test_a_step_without_an_auto_program_is_not_tuned(fake_cuda, monkeypatch):
-    step, reference, times, _, _ = tuned_training(monkeypatch, {}, {}, ask=False)
+    step, reference, times, *_ = tuned_training(monkeypatch, {}, {}, ask=False)
     train(step, reference, times, 8)
     assert (step.captures, step.tuning_captures, step.release_lag_tunings) == (1, 0, [])
 
@@ -265,7 +265,7 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
                                                                            monkeypatch):
     """A pool's segments go back to the driver only once all its blocks are free: when the
     tuning releases the candidates' pools, nothing may hold their ``.grad`` tensors."""
-    step, reference, times, _, (model, _) = tuned_training(
+    step, reference, times, _, (model, _), _ = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     grads_of_captures = []
     seen = [0]
@@ -292,3 +292,21 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
         watch_captures()
     assert step.tuning_captures == 3 and len(grads_of_captures) == 4  # the last: the choice
     assert alive_at_release == [0]
+
+
+def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cuda, monkeypatch):
+    """A float lr changed while candidate 2 is timed: warm-up and a capture of 2 again (a
+    recapture, counted as such); its timings start over; training stays exact."""
+    step, reference, times, asking, (model, ref_model), opts = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
+    train(step, reference, times, 3 + (lag_tuning.TIMED_REPLAYS + 1) + 3)
+    tuner = step.release_lag_tunings[0]
+    assert tuner.lag == 2 and [m.lag for m in tuner.measured] == [None]
+    for opt in opts:
+        opt.param_groups[0]["lr"] = 0.02
+    train(step, reference, times, 2 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2, seed=4)
+    assert tuner.done and tuner.chosen == 2 and [m.lag for m in tuner.measured] == [None, 2, 1]
+    assert (step.captures, step.tuning_captures) == (2, 3)
+    assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
