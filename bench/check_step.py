@@ -50,10 +50,11 @@ gradient accumulation over two micro-batches, one optimizer per model,
    (``overlap=False``: the same kernels), math attention, deterministic mode:
    all bitwise equal;
 12. ``release-lag`` (torchvision, not in the default list): erase with
-   ``release_lag="auto"`` on a small DGL ViT (stages on the main stream, so
-   the lag matters): compile_step times each candidate and keeps one within
-   the steps given, and trains bitwise as the default (held to the join)
-   does, in deterministic mode.
+   ``release_lag="auto"`` and ``side_cuda_streams="auto"`` on a small DGL ViT
+   (stages on the main stream, so the lag matters; three side streams, so
+   folding onto two does): compile_step times each candidate and keeps one
+   within the steps given, leaves one graph pool, and trains bitwise as the
+   defaults do, in deterministic mode.
 """
 from __future__ import annotations
 
@@ -617,15 +618,16 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
 
 
 def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
-    """``release_lag="auto"``: compile_step captures the step once per candidate lag, times
-    replays of each (real training steps) and keeps one. The result must be bitwise what the
-    default (held to the join) trains, in deterministic mode: a lag frees memory sooner, a race
-    would change bits."""
-    from erase_fx.lag_tuning import CANDIDATES, TIMED_REPLAYS, graph_pools
+    """``release_lag="auto"`` and ``side_cuda_streams="auto"``: compile_step captures the step
+    once per candidate, times replays of each (real training steps) and keeps one. The result
+    must be bitwise what the defaults (held to the join, a CUDA stream per side stream) train,
+    in deterministic mode: a lag frees memory sooner and folding shares streams' memory, a
+    race would change bits."""
+    from erase_fx.capture_tuning import LAGS, TIMED_REPLAYS, WIDTHS, graph_pools
 
     # NB: enough steps for two warm-ups, one more after the first capture, every candidate
     # timed and the chosen one captured
-    needed = WARMUP + 1 + len(CANDIDATES) * (TIMED_REPLAYS + 1) + 1 + steps
+    needed = WARMUP + 1 + len(LAGS) * len(WIDTHS) * (TIMED_REPLAYS + 1) + 1 + steps
     loaded = config_batches(config, device, -(-needed // 5))
     if loaded is None:
         report.check(f"release_lag='auto' on {config}", False, "needs torchvision")
@@ -633,25 +635,27 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     base, batches = loaded
     with deterministic_algorithms():
         train_in_step(base, batches[:2])  # NB: the process's first compile autotunes
-        auto = train_in_step(base, batches, options={"release_lag": "auto"})
+        auto = train_in_step(base, batches, options={"release_lag": "auto",
+                                                      "side_cuda_streams": "auto"})
         step = auto[1]
         # NB: only the chosen graph's pool may remain: the candidates' graphs were dropped
         gc.collect()
         torch.cuda.empty_cache()
         pools = graph_pools()
         held = train_in_step(base, batches)
-    tunings = step.release_lag_tunings
+    tunings = step.capture_tunings
     measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
-    chosen = [m for m in tunings[0].measured if m.lag == tunings[0].chosen] if tunings else []
-    report.check(f"release_lag='auto' on {config}: tuned within {len(batches)} steps, "
+    chosen = [m for m in tunings[0].measured if m.choice == tunings[0].chosen] if tunings else []
+    report.check(f"release_lag and side_cuda_streams 'auto' on {config}: tuned within "
+                 f"{len(batches)} steps, "
                  "one graph pool left",
                  bool(tunings) and tunings[0].done and not step.tuning and len(pools) == 1,
-                 f"chosen {tunings[0].chosen if tunings else '-'} of {measured}; graph pools "
+                 f"chosen {tunings[0].chosen.describe() if tunings else '-'} of {measured}; graph pools "
                  f"after: {', '.join(f'{b / 2**20:.0f} MiB' for b in pools.values())} (the "
                  f"choice measured {chosen[0].pool_bytes / 2**20 if chosen else 0:.0f} MiB); "
                  f"{step.tuning_captures} tuning captures; {counts(step)}")
-    check_bitwise(report, f"release_lag='auto' on {config}, compile_step, {len(batches)} "
-                  "steps, against release_lag=None", auto, held)
+    check_bitwise(report, f"release_lag and side_cuda_streams 'auto' on {config}, "
+                  f"compile_step, {len(batches)} steps, against the defaults", auto, held)
 
 
 def check_eager_timing(report, device, timings):

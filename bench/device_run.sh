@@ -126,8 +126,9 @@
 #                                      ResNet-18 against the default and stock (~9 min, ran
 #                                      2026-12-03: ResNet-18's row ran apart, as auto-b)
 #   bash bench/device_run.sh auto-c    after the fix of the tuning's leftover pool: the check (one
-#                                      graph pool left), then "auto" against the default on
-#                                      ResNet-18, ctr:16384 and mlp:512 (~9 min, not yet run)
+#                                      graph pool left, folding bitwise), then release_lag and
+#                                      side_cuda_streams "auto" against the default on ctr:16384,
+#                                      ResNet-18 and mlp:512 (~10 min, not yet run)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -548,15 +549,15 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --variants inductor+step,erase+step,erase+step/release-lag=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   auto-c)
-    # after auto-a found ~92 MiB left over by the tuning (fixed since, on CPU): the check that one
-    # graph pool is left, then "auto" against the default where it should choose None and cost
-    # nothing, to decide whether it becomes the default
-    timeout 170 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
+    # after auto-a found ~92 MiB left over by the tuning (fixed since, on CPU): the check (one
+    # graph pool left; folding bitwise too), then "auto" against the default: the lag alone,
+    # and with side_cuda_streams (not yet run on a GPU), to decide what becomes the default
+    timeout 200 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
       | grep -v '^erase_fx: graph' | tee "$OUT/check_step-auto-c.log" || true
-    timeout 400 python3 -m bench.run --budget-s 340 --out "$OUT/auto-c.json" --streams '' \
-      --configs tv-resnet18-dgl:256:32,ctr:16384:1024:2048:6,mlp:512:1024:2048:6 \
+    timeout 370 python3 -m bench.run --budget-s 320 --out "$OUT/auto-c.json" --streams '' \
+      --configs ctr:16384:1024:2048:6,tv-resnet18-dgl:256:32,mlp:512:1024:2048:6 \
       --sweep-configs '' --trials 3 \
-      --variants inductor+step,erase+step,erase+step/release-lag=auto 2>&1 \
+      --variants inductor+step,erase+step,erase+step/release-lag=auto,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-a)
     # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules

@@ -36,7 +36,8 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   forward compiled as one graph), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
   last reader instead of at the join; ``/release-lag=auto``: ``compile_step``
-  times the candidates and keeps one, `erase_fx.lag_tuning`), ``/stages-on-main`` and
+  times the candidates and keeps one, `erase_fx.capture_tuning`;
+  ``/side-cuda-streams=N`` and ``=auto``: `EraseConfig.side_cuda_streams`), ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
   the default's rule decides), ``/shared-input-values``
@@ -196,12 +197,14 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            numbered = r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto)"
+            numbered = (r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto)"
+                        r"|side-cuda-streams=([1-9]\d*|auto)")
             changed: dict[str, str] = {}
             for one in control.split("/"):
                 if one not in CONTROLS and not re.fullmatch(numbered, one):
                     raise ValueError(f"variant {name!r}: control {one!r} is not one of "
-                                     f"{', '.join(CONTROLS)}, streams=N, release-lag=N")
+                                     f"{', '.join(CONTROLS)}, streams=N, release-lag=N, "
+                                     "side-cuda-streams=N")
                 if one in STEP_CONTROL_OPTIONS and capture != "step":
                     raise ValueError(f"variant {name!r}: /{one} is an option of compile_step: "
                                      "it applies to +step variants only")
@@ -413,10 +416,10 @@ class BuiltStep:
         if getattr(self.program, "early_optimizer", False):
             info["early_updated"] = self.program.early_updated
             info["early_refused"] = dict(self.program.early_refused)
-        tunings = getattr(self.program, "release_lag_tunings", ())
+        tunings = getattr(self.program, "capture_tunings", ())
         if tunings:
-            info["release_lag_chosen"] = tunings[-1].chosen
-            info["release_lag_trials"] = "; ".join(m.describe() for m in tunings[-1].measured)
+            info["capture_chosen"] = tunings[-1].chosen.describe()
+            info["capture_trials"] = "; ".join(m.describe() for m in tunings[-1].measured)
             info["tuning_captures"] = self.program.tuning_captures
         return info
 

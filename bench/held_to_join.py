@@ -193,15 +193,15 @@ def recording() -> Iterator[list[Held]]:
     peaks: dict[int, int] = {}
     streams: dict[int, SlotStreams] = {}  # id(program) -> its slots' streams, once per run
 
-    def launch_watching(self, k, step, env, events, record=False):
-        launch(self, k, step, env, events, record)
+    def launch_watching(self, k, step, env, events, stream_ops, record=False):
+        launch(self, k, step, env, events, stream_ops, record)
         for stream, size in live_bytes_by_stream(self, env, streams[id(self)]).items():
             peaks[stream] = max(peaks.get(stream, 0), size)
 
-    def run_captured(self, env, plan, context=None):
+    def run_captured(self, env, plan, stream_ops, context=None):
         peaks.clear()
         streams[id(self)] = SlotStreams.of(self)
-        original(self, env, plan, context)
+        original(self, env, plan, stream_ops, context)
         values = held_values(self, env, streams.pop(id(self)))
         kept = sorted((v for v in values if v.kind != "returned"), key=lambda v: -v.size)
         found.append(Held(by_kind(values), dict(peaks), kept[:LARGEST]))

@@ -474,9 +474,8 @@ def _notes(r: dict) -> str:
                  + (f" (not early: {refused[:160]})" if refused else ""))
     if r.get("uncaptured_reason"):
         text += f", not captured: {str(r['uncaptured_reason'])[:160]}"
-    if r.get("release_lag_trials"):
-        text += (f", release_lag={r['release_lag_chosen']} chosen of "
-                 f"{r['release_lag_trials']}")
+    if r.get("capture_trials"):
+        text += f", {r['capture_chosen']} chosen of {r['capture_trials']}"
     return text
 
 

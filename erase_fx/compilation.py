@@ -270,7 +270,8 @@ class GraphCompilation:
             streams = VirtualStreams()
         else:
             streams = CudaStreams(device, self.cfg.streams)
-        program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag)
+        program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag,
+                                      self.cfg.side_cuda_streams)
         if self.early_allreduce is not None:
             self.early_allreduce.attach(program)
         if self.early_updates is not None:

@@ -105,11 +105,26 @@ class EraseConfig:
             candidate (None, 2, 1), times a few replays of each (real
             training steps) and keeps the lag whose graph holds the least
             memory among those within 2% of the fastest
-            (`erase_fx.lag_tuning`); elsewhere (erase's own graphs, a
+            (`erase_fx.capture_tuning`); elsewhere (erase's own graphs, a
             capture by hand) ``"auto"`` acts as None. Outside capture the
             caching allocator frees every tensor as soon as its last reader is
             done, whatever this says (see
             `erase_fx.emit.release`).
+        side_cuda_streams: how many CUDA streams run the ``streams`` side
+            streams: side stream ``s`` runs on CUDA stream
+            ``1 + (s - 1) % side_cuda_streams``, in the same launch order and
+            with the same events, so blocks that share a CUDA stream run one
+            after the other (nothing is recompiled; folding only adds order).
+            Under CUDA graph capture they then share the stream's memory
+            and its cuBLAS workspace (33 MiB each): each CUDA stream keeps
+            its own pool, and the pools add up. ``None`` (default): one CUDA
+            stream per side stream. ``"auto"``: `erase_fx.compile_step`
+            times 2 against all (with ``release_lag="auto"`` too, every pair
+            of candidates worth trying; `erase_fx.capture_tuning`), and
+            elsewhere it is None. Not yet measured on a GPU; compiled with
+            ``streams=2`` instead, ctr:16384, gpt:16 and mlp:512 ran at
+            1.00-1.09x of the 4-stream time for 0.60-0.69x of its step
+            memory (``bench/results/2026-12-02-c-NOTES.md``).
         stages_on_side: run each early block's own stage (the forward whose
             activations its early backward reads) on the block's side stream
             too, before its head, so those activations are made, read and
@@ -209,6 +224,7 @@ class EraseConfig:
     dump_dir: str | None = None
     overlap: bool = True
     release_lag: int | str | None = None
+    side_cuda_streams: int | str | None = None
     stages_on_side: bool | None = None
     copy_input_values: bool = True
     recompute_boundary_values: bool = True
@@ -247,6 +263,11 @@ class EraseConfig:
             if (not isinstance(self.release_lag, int) or isinstance(self.release_lag, bool)
                     or self.release_lag < 1):
                 raise EraseOptionError("release_lag", self.release_lag,
+                                       "an integer >= 1, 'auto' or None")
+        if self.side_cuda_streams is not None and self.side_cuda_streams != "auto":
+            if (not isinstance(self.side_cuda_streams, int)
+                    or isinstance(self.side_cuda_streams, bool) or self.side_cuda_streams < 1):
+                raise EraseOptionError("side_cuda_streams", self.side_cuda_streams,
                                        "an integer >= 1, 'auto' or None")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise EraseOptionError("dump_dir", self.dump_dir, "a folder path or None")

@@ -35,10 +35,10 @@ warmed up ─► CAPTURE into a private memory pool (executes nothing), record t
       once: that is this call's step
 captured, guards hold ─► REPLAY: copy tensor arguments into the static buffers, replay, copy
       back arguments the step mutates, return clones of the outputs
-captured with a program built with ``release_lag="auto"`` ─► TUNE: the replays after the first
-      are timed; after a few, the graph is dropped and the next call captures the next
-      candidate lag (not counted toward ``max_captures``), until the chosen one
-      is in hand (`erase_fx.lag_tuning`); every call is still one real step
+captured with a program built with ``release_lag`` or ``side_cuda_streams="auto"`` ─► TUNE:
+      the replays after the first are timed; after a few, the graph is dropped and the next
+      call captures the next candidate (not counted toward ``max_captures``), until the chosen
+      one is in hand (`erase_fx.capture_tuning`); every call is still one real step
 ``max_captures`` reached, argument not capturable ─► UNCAPTURED (run as written; reason logged once)
 capture failed (a host sync, a non-capturable optimizer) ─► restore the Python state the capture
       touched, then UNCAPTURED from then on (``on_unsupported="fallback"``) or raise
@@ -133,10 +133,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.early_update import describe_refusals, open_session
-from erase_fx.emit.capture_scope import release_lag_trial, whole_step_scope
+from erase_fx.emit.capture_scope import CaptureChoice, capture_trial, whole_step_scope
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
-from erase_fx.lag_tuning import KEEP, TIME_TOLERANCE, LagTuner, pool_bytes
+from erase_fx.capture_tuning import KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +225,12 @@ class CompiledStep:
             capture updates early, on the update streams.
         early_refused: with ``early_optimizer``, why the last capture did not
             update the other parameters of early blocks early, with how many.
-        tuning_captures: captures made to time a ``release_lag`` candidate or
-            to keep the chosen one (see `erase_fx.lag_tuning`); not counted
-            in ``captures`` nor toward ``max_captures``.
-        release_lag_tunings: per signature tuned, in order, its
-            `erase_fx.lag_tuning.LagTuner` (``measured``: each candidate's
-            times and pool size; ``chosen``).
+        tuning_captures: captures made to time a candidate of the ``"auto"``
+            options or to keep the chosen one (see `erase_fx.capture_tuning`);
+            not counted in ``captures`` nor toward ``max_captures``.
+        capture_tunings: per signature tuned, in order, its
+            `erase_fx.capture_tuning.CaptureTuner` (``measured``: each
+            candidate's times and pool size; ``chosen``).
     """
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 2, max_captures: int = 8,
@@ -257,7 +257,7 @@ class CompiledStep:
         self.early_refused: dict[str, int] = {}
         self.captures = 0
         self.tuning_captures = 0
-        self.release_lag_tunings: list[LagTuner] = []
+        self.capture_tunings: list[CaptureTuner] = []
         self.replays = 0
         self.warmups = 0
         self.uncaptured_reason: str | None = None
@@ -272,8 +272,8 @@ class CompiledStep:
 
     @property
     def tuning(self) -> bool:
-        """Whether a signature's ``release_lag`` is still being chosen (its next calls time a
-        candidate or capture the choice; `erase_fx.lag_tuning`)."""
+        """Whether a signature's ``"auto"`` options are still being chosen (its next calls
+        time a candidate or capture the choice; `erase_fx.capture_tuning`)."""
         return any(e.tuning_capture or (e.tuner is not None and not e.tuner.done)
                    for e in self._entries.values())
 
@@ -364,12 +364,12 @@ class CompiledStep:
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()
-        lag = entry.tuner.lag if entry.tuner is not None else None
+        choice = entry.tuner.choice if entry.tuner is not None else CaptureChoice()
         try:
             # NB: our own stream context outside the capture's: if capture_end raises,
             # torch.cuda.graph leaves its stream set; ours puts the caller's back.
             with self._recording(), whole_step_scope(), torch.cuda.stream(side):
-                with self._early_updates() as session, release_lag_trial(lag) as trial, \
+                with self._early_updates() as session, capture_trial(choice) as trial, \
                         torch.cuda.graph(graph, pool=pool, stream=side,
                                          capture_error_mode="thread_local"):
                     out = self.fn(*static_args, **static_kwargs)
@@ -413,13 +413,14 @@ class CompiledStep:
         # so that a tuning's dropped graphs can give their pools back (_release_dropped_pools)
         del before
         self._note_early_updates(session)
-        if entry.tuner is None and trial.asked:
-            entry.tuner = LagTuner()
-            self.release_lag_tunings.append(entry.tuner)
+        if entry.tuner is None and len(candidates_for(trial)) > 1:
+            entry.tuner = CaptureTuner(candidates_for(trial))
+            self.capture_tunings.append(entry.tuner)
         tuning, entry.tuning_capture = entry.tuning_capture, False
         if tuning:
             self.tuning_captures += 1
-            log.info("erase_fx compile_step %s: captured with release_lag=%s", self._name, lag)
+            log.info("erase_fx compile_step %s: captured with %s", self._name,
+                     choice.describe())
         else:
             self.captures += 1
             log.info("erase_fx compile_step %s: captured (%d of at most %d)", self._name,
@@ -427,7 +428,7 @@ class CompiledStep:
         if entry.tuner is not None and not entry.tuner.done:
             entry.tuner.captured(pool_bytes(pool))
         elif tuning:
-            _release_dropped_pools()  # the chosen lag's capture: the candidates' graphs are gone
+            _release_dropped_pools()  # the choice captured again: the candidates' graphs are gone
         return self._replay(entry, leaves, copy_inputs=False)
 
     def _replay(self, entry: _Entry, leaves: list[Any], copy_inputs: bool = True) -> Any:
@@ -451,12 +452,12 @@ class CompiledStep:
             self._after_timed_replay(entry, tuner)
         return result
 
-    def _after_timed_replay(self, entry: _Entry, tuner: LagTuner) -> None:
-        """Go on timing, or drop the graph so that the next call captures the next lag."""
+    def _after_timed_replay(self, entry: _Entry, tuner: CaptureTuner) -> None:
+        """Go on timing, or drop the graph so that the next call captures the next candidate."""
         verdict = tuner.next_capture()
         if tuner.done:
-            log.info("erase_fx compile_step %s: release_lag=%s chosen (least memory within "
-                     "%.0f%% of the fastest): %s", self._name, tuner.chosen,
+            log.info("erase_fx compile_step %s: %s chosen (least memory within %.0f%% of the "
+                     "fastest): %s", self._name, tuner.chosen.describe(),
                      100 * TIME_TOLERANCE, "; ".join(m.describe() for m in tuner.measured))
         if verdict == KEEP:
             if tuner.done:
@@ -572,14 +573,14 @@ class _Entry:
     out_spec: Any = None
     single: bool = False
     record: _Record | None = None
-    #: with programs built with ``release_lag="auto"``: the lag tuning (`erase_fx.lag_tuning`)
-    tuner: LagTuner | None = None
+    #: with programs built with ``"auto"`` options: their tuning (`erase_fx.capture_tuning`)
+    tuner: CaptureTuner | None = None
     #: the next capture is one of the tuning's (not counted toward ``max_captures``)
     tuning_capture: bool = False
 
     def drop(self, warm_up_again: bool = True) -> None:
         """Forget the graph (its memory goes once nothing holds its tensors) and, unless only
-        the release lag changes, warm up again."""
+        the capture's choice changes (a tuning), warm up again."""
         self.graph = None
         self.record = None
         self.static_inputs = []

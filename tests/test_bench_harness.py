@@ -43,6 +43,7 @@ def test_variant_names_read_and_write_back(name, parsed):
     ("erase/streams=01", "is not one of"),
     ("erase/release-lag=0", "is not one of"),
     ("erase/release-lag=Auto", "is not one of"),
+    ("erase/side-cuda-streams=0", "is not one of"),
     ("erase/release_lag=1", "is not one of"),
     ("torchsched", "is not one of eager, paper"),
     ("Erase", "is not compiler"),
@@ -92,6 +93,10 @@ def test_erase_options_of_the_controls():
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
         "inner": "inductor", "cudagraphs": False, "release_lag": 3}
     assert Variant.parse("erase+step/release-lag=auto").erase_options["release_lag"] == "auto"
+    assert Variant.parse("erase+step/release-lag=auto/side-cuda-streams=auto").erase_options[
+        "side_cuda_streams"] == "auto"
+    assert Variant.parse("erase+step/side-cuda-streams=2").erase_options[
+        "side_cuda_streams"] == 2
 
 
 def test_controls_chain_and_may_not_set_one_option_twice():

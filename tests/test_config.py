@@ -47,12 +47,14 @@ def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
     {"min_part_share": -0.01}, {"min_part_share": 1.5}, {"min_part_share": float("nan")},
     {"min_part_share": True}, {"min_part_share": "0.1"},
     {"release_lag": 0}, {"release_lag": True}, {"release_lag": "2"}, {"release_lag": "Auto"},
+    {"side_cuda_streams": 0}, {"side_cuda_streams": False}, {"side_cuda_streams": 2.0},
 ])
 def test_bad_values(changes):
     with pytest.raises(EraseOptionError):
         EraseConfig(**changes)
 
 
-@pytest.mark.parametrize("lag", [None, 1, 3, "auto"])
-def test_release_lag_values(lag):
-    assert EraseConfig(release_lag=lag).release_lag == lag
+@pytest.mark.parametrize("value", [None, 1, 3, "auto"])
+def test_release_lag_and_side_cuda_streams_values(value):
+    assert EraseConfig(release_lag=value).release_lag == value
+    assert EraseConfig(side_cuda_streams=value).side_cuda_streams == value

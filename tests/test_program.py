@@ -7,7 +7,7 @@ from erase_fx.emit.inner import example_inputs_of
 from graphs import Chain, Stages, assert_outputs_close, chain_inputs, real_values
 
 
-def build(stages, trace=True, release_lag=None):
+def build(stages, trace=True, release_lag=None, side_cuda_streams=None):
     segmented = stages.segmented
     compiled = {
         s.name: compile_segment(getattr(segmented.gm, s.name),
@@ -15,7 +15,8 @@ def build(stages, trace=True, release_lag=None):
         for s in segmented.segments
     }
     streams = VirtualStreams(trace=trace)
-    return StreamProgram.build(segmented, compiled, streams, release_lag), streams
+    return StreamProgram.build(segmented, compiled, streams, release_lag,
+                               side_cuda_streams), streams
 
 
 def run_traced(cfg):

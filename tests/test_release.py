@@ -103,10 +103,10 @@ def _slots_alive_before_each_launch(monkeypatch, cfg, model=None, inputs=None):
     program.shared = {}  # step -> its outputs that share memory the step allocated
     real_launch = program._launch
 
-    def launch(k, step, env, events, record=False):
+    def launch(k, step, env, events, streams, record=False):
         alive.append({i for i, v in enumerate(env) if v is not None})
         live = {v.untyped_storage().data_ptr() for v in env if isinstance(v, torch.Tensor)}
-        real_launch(k, step, env, events, record)
+        real_launch(k, step, env, events, streams, record)
         made = [slot for slot in step.outputs if slot >= 0 and isinstance(env[slot], torch.Tensor)]
         program.aliases |= {slot for slot in made if env[slot].untyped_storage().data_ptr() in live}
         fresh = [slot for slot in made if slot not in program.aliases]

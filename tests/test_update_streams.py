@@ -85,3 +85,34 @@ def test_join_without_updates_waits_for_nothing(recording_cuda):
     main, _ = recording_cuda
     streams_module.CudaStreams(torch.device("cuda", 0), 2).join_update()
     assert main.waited_streams == []
+
+
+def test_folded_streams_run_side_stream_s_on_1_plus_s_minus_1_mod_width(recording_cuda,
+                                                                        monkeypatch):
+    """`EraseConfig.side_cuda_streams`: four side streams on two; fork and join touch each
+    CUDA stream once; the communication stream a folded view makes is the original's too."""
+    main, current = recording_cuda
+    monkeypatch.setattr(streams_module, "_comm_pool", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ops = streams_module.CudaStreams(torch.device("cuda", 0), 4)
+    folded = ops.folded(2)
+    assert folded.side is ops.side and ops.width is None and folded.width == 2
+
+    def on_current(tag):
+        def fn(inputs):
+            current[-1].ran.append(tag)
+        return fn
+
+    folded.fork((1, 2, 3, 4))
+    for stream in (1, 2, 3, 4):
+        folded.run(stream, on_current(f"block on {stream}"), [], waits=[f"event {stream}"])
+    folded.join((1, 2, 3, 4), [])
+    first, second, third, fourth = ops.side
+    assert first.ran == ["block on 1", "block on 3"] and second.ran == ["block on 2", "block on 4"]
+    assert third.ran == fourth.ran == []
+    assert first.waited_streams == [main] and second.waited_streams == [main]
+    assert first.waited_events == ["event 1", "event 3"]
+    assert [s.name for s in main.waited_streams] == [first.name, second.name]
+    folded.run_comm([3], [], lambda: None)
+    ops.wait_comm()  # NB: the original waits for what its folded view launched
+    assert main.waited_streams[-1] is streams_module.comm_stream(torch.device("cuda", 0))

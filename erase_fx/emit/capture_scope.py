@@ -15,9 +15,10 @@ too. A depth counter lets scopes nest (a step that calls another step).
 While any scope is open, erase's graphs in every thread run as is (exact,
 only not replayed).
 
-The same module carries the lag of `release_lag_trial`: while
+The same module carries the choice of `capture_trial`: while
 `erase_fx.compile_step` tunes a step, each capture is a trial of one
-``release_lag`` for the programs built with ``release_lag="auto"``.
+``release_lag`` and ``side_cuda_streams`` for the programs built with
+``"auto"`` for them.
 """
 from __future__ import annotations
 
@@ -48,38 +49,58 @@ def in_whole_step_scope() -> bool:
     return _depth > 0
 
 
-# -- the release lag of programs built with release_lag="auto" --------------------------------
+# -- the choices of programs built with release_lag="auto" or side_cuda_streams="auto" ------
 
-#: `EraseConfig.release_lag`'s value that lets `erase_fx.compile_step` choose it by timing.
+#: The option value that lets `erase_fx.compile_step` choose by timing.
 AUTO = "auto"
 
 
-@dataclasses.dataclass
-class LagTrial:
-    """One whole-step capture's choice of lag for ``release_lag="auto"`` programs.
+@dataclasses.dataclass(frozen=True)
+class CaptureChoice:
+    """How a captured run of a program releases memory and on how many CUDA streams it runs.
 
     Attributes:
-        lag: the lag those programs plan their captured frees with.
-        asked: how many calls of such programs ran inside the trial.
+        lag: `EraseConfig.release_lag` (None: held to the join).
+        width: `EraseConfig.side_cuda_streams` (None: one CUDA stream per side stream).
     """
 
-    lag: int | None
-    asked: int = 0
+    lag: int | None = None
+    width: int | None = None
+
+    def describe(self) -> str:
+        return f"release_lag={self.lag}, side_cuda_streams={self.width}"
 
 
-_trial: LagTrial | None = None
+@dataclasses.dataclass
+class CaptureTrial:
+    """One whole-step capture's choice for the programs built with ``"auto"`` options.
+
+    Attributes:
+        choice: what those programs use.
+        lag_asked: calls of programs whose ``release_lag`` is ``"auto"`` and matters.
+        width_asked: calls of programs whose ``side_cuda_streams`` is ``"auto"`` and that
+            have more than one side stream.
+        widest: the most side streams of those programs.
+    """
+
+    choice: CaptureChoice
+    lag_asked: int = 0
+    width_asked: int = 0
+    widest: int = 0
+
+
+_trial: CaptureTrial | None = None
 
 
 @contextlib.contextmanager
-def release_lag_trial(lag: int | None) -> Iterator[LagTrial]:
-    """Inside: programs built with ``release_lag="auto"`` free memory under capture as with
-    ``release_lag=lag``; the trial counts how many of their calls asked (none: the step has no
-    such program and nothing is worth timing). Process-wide like the scope above. Inside
-    another trial (a step captured inside a step) it changes nothing and counts nothing: the
-    outer trial decides.
+def capture_trial(choice: CaptureChoice) -> Iterator[CaptureTrial]:
+    """Inside: programs built with ``"auto"`` options run with ``choice``; the trial counts
+    which of them asked (none: the step has no such program and nothing is worth timing).
+    Process-wide like the scope above. Inside another trial (a step captured inside a step)
+    it changes nothing and counts nothing: the outer trial decides.
     """
     global _trial
-    trial = LagTrial(lag)
+    trial = CaptureTrial(choice)
     with _lock:
         outer, _trial = _trial, _trial or trial
     try:
@@ -89,11 +110,16 @@ def release_lag_trial(lag: int | None) -> Iterator[LagTrial]:
             _trial = outer
 
 
-def auto_release_lag() -> int | None:
-    """The lag a ``release_lag="auto"`` program uses now: the open trial's, else ``None``
-    (memory held to the join, as by default), and the trial notes that it was asked."""
+def auto_choice(lag: bool, width: int) -> CaptureChoice:
+    """The choice a program with ``"auto"`` options uses now: the open trial's, else the
+    defaults (held to the join, every side stream its own). ``lag``: its ``release_lag`` is
+    ``"auto"`` and changes its plan; ``width``: how many side streams it has, when its
+    ``side_cuda_streams`` is ``"auto"`` (0 otherwise). The trial notes what was asked."""
     with _lock:
         if _trial is None:
-            return None
-        _trial.asked += 1
-        return _trial.lag
+            return CaptureChoice()
+        _trial.lag_asked += lag
+        if width > 1:
+            _trial.width_asked += 1
+            _trial.widest = max(_trial.widest, width)
+        return _trial.choice

@@ -19,6 +19,11 @@ order; `streams.StreamOps` decides what a step on a side stream means:
 - on CPU (`VirtualStreams`), streams are virtual and the same steps simply
   run in order.
 
+A call runs on `StreamOps.folded` streams when ``EraseConfig.side_cuda_streams``
+(or, for ``"auto"``, the capture trial of `erase_fx.compile_step`) folds the
+side streams onto fewer CUDA streams; the steps, their order and their
+events stay as they are.
+
 No stream or event op is ever inside a compiled segment: Inductor may reorder
 side-effect ops against compute, so syncs live here, between segments.
 
@@ -46,7 +51,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.capture_scope import AUTO, auto_release_lag
+from erase_fx.emit.capture_scope import AUTO, auto_choice
 from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
@@ -122,6 +127,7 @@ class StreamProgram(Boxed):
         streams: StreamOps,
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | str | None = None,
+        side_cuda_streams: int | str | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -136,9 +142,12 @@ class StreamProgram(Boxed):
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
-        #: an int, None, or "auto": the lag of each call's capture trial (`auto_release_lag`)
+        #: `EraseConfig.release_lag` and `EraseConfig.side_cuda_streams`: with "auto", the
+        #: choice of each call's capture trial (`erase_fx.emit.capture_scope.auto_choice`)
         self.release_lag = release_lag
+        self.side_cuda_streams = side_cuda_streams
         self._plans: dict[int | None, CapturePlan] = {}
+        self._folded: dict[int, StreamOps] = {}
         #: whether the release lag changes anything here: some tensor the main stream makes
         #: and only side streams read (with each block's stage on its side stream, none)
         self.lag_matters = any(self.capture_plan_for(1).releases_before)
@@ -194,6 +203,7 @@ class StreamProgram(Boxed):
         compiled: Mapping[str, BoxedCallable],
         streams: StreamOps,
         release_lag: int | str | None = None,
+        side_cuda_streams: int | str | None = None,
     ) -> StreamProgram:
         graph = segmented.gm.graph
         slot: dict[fx.Node, int] = {}
@@ -256,7 +266,7 @@ class StreamProgram(Boxed):
                 records_event=k in read_elsewhere,
             ))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag)
+                   tuple(constants), release_lag, side_cuda_streams)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -269,43 +279,58 @@ class StreamProgram(Boxed):
             began = [(begin(args), hooks) for begin, hooks in self.hook_clients]
             contexts = [(c, hooks) for c, hooks in began if c is not None] or None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
+        plan, streams = self._choice()
         if contexts is not None:
-            self._complete(-1, env, contexts)
+            self._complete(-1, env, contexts, streams)
         # NB: the side streams start from the main stream's state: the inputs are ready
-        self.streams.fork(self.side_streams)
-        plan = self.capture_plan
-        if self.release_lag == AUTO and self.lag_matters:
-            plan = self.capture_plan_for(auto_release_lag())
+        streams.fork(self.side_streams)
         if not (self.side_streams and _capturing()):
-            self._run(env, contexts)
+            self._run(env, streams, contexts)
         else:
-            self._run_captured(env, plan, contexts)
+            self._run_captured(env, plan, streams, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
-        self.streams.join(self.side_streams, [results[i] for i in self.side_results])
+        streams.join(self.side_streams, [results[i] for i in self.side_results])
         return results
 
-    def _run(self, env: list[Any], contexts: Any = None) -> None:
+    def _choice(self) -> tuple[CapturePlan, StreamOps]:
+        """This call's release plan (used under capture) and streams: the options', or, for
+        those set to "auto", the open capture trial's (`auto_choice`)."""
+        lag, width = self.release_lag, self.side_cuda_streams
+        if AUTO in (lag, width):
+            choice = auto_choice(lag == AUTO and self.lag_matters,
+                                 len(self.side_streams) if width == AUTO else 0)
+            lag = choice.lag if lag == AUTO else lag
+            width = choice.width if width == AUTO else width
+        if width is None:
+            return self.capture_plan_for(lag), self.streams
+        if width not in self._folded:
+            self._folded[width] = self.streams.folded(width)
+        return self.capture_plan_for(lag), self._folded[width]
+
+    def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None) -> None:
         """Each slot dropped after its last reader; ``record_stream`` guards cross-stream
         reuse."""
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
-            self._launch(k, step, env, events)
+            self._launch(k, step, env, events, streams)
             for slot in step.frees:
                 env[slot] = None
             if contexts is not None:
-                self._complete(k, env, contexts)
+                self._complete(k, env, contexts, streams)
 
     def _complete(self, k: int, env: list[Any],
-                  contexts: list[tuple[Any, dict[int, tuple[CompletionHook, ...]]]]) -> None:
+                  contexts: list[tuple[Any, dict[int, tuple[CompletionHook, ...]]]],
+                  streams: StreamOps) -> None:
         """The completion hooks due after step ``k`` (-1: before the first), of each client
         whose ``begin`` gave a context this call."""
         for context, hooks in contexts:
             for hook in hooks.get(k, ()):
                 values = [env[self.results[i][1]] if self.results[i][0] == "slot"
                           else self.results[i][1] for i in hook.results]
-                hook.fn(context, values, hook.streams, self.streams)
+                hook.fn(context, values, hook.streams, streams)
 
-    def _run_captured(self, env: list[Any], plan: CapturePlan, contexts: Any = None) -> None:
+    def _run_captured(self, env: list[Any], plan: CapturePlan, streams: StreamOps,
+                      contexts: Any = None) -> None:
         """Under CUDA graph capture: slots dropped as ``plan`` (`plan_captured_releases`) orders.
 
         NB: a step output that lives in memory a value alive before the step
@@ -322,12 +347,12 @@ class StreamProgram(Boxed):
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
             if plan.waits_before[k]:
-                self.streams.wait_events(MAIN_STREAM, [events[r] for r in plan.waits_before[k]])
+                streams.wait_events(MAIN_STREAM, [events[r] for r in plan.waits_before[k]])
             for slot in plan.releases_before[k]:
                 if slot not in pinned:
                     env[slot] = None
             live = {_storage_key(v) for v in env if isinstance(v, torch.Tensor)}
-            self._launch(k, step, env, events, plan.records_event[k])
+            self._launch(k, step, env, events, streams, plan.records_event[k])
             for slot in step.outputs:
                 if (slot >= 0 and isinstance(env[slot], torch.Tensor)
                         and _storage_key(env[slot]) in live):
@@ -336,10 +361,10 @@ class StreamProgram(Boxed):
                 if slot not in pinned:
                     env[slot] = None
             if contexts is not None:
-                self._complete(k, env, contexts)
+                self._complete(k, env, contexts, streams)
 
     def _launch(self, k: int, step: Step, env: list[Any], events: dict[int, Any],
-                record: bool = False) -> None:
+                streams: StreamOps, record: bool = False) -> None:
         """Run step ``k`` once the events of the steps it reads on other streams have fired;
         record its own event when another stream reads it (or ``record``)."""
         inputs = [env[i] for i in step.inputs]
@@ -347,11 +372,11 @@ class StreamProgram(Boxed):
         # NB: read the flag at each call: profilers start and stop between calls.
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(PROFILE_LABEL_PREFIX + step.name):
-                outputs = self.streams.run(step.stream, step.fn, inputs, waits)
+                outputs = streams.run(step.stream, step.fn, inputs, waits)
         else:
-            outputs = self.streams.run(step.stream, step.fn, inputs, waits)
+            outputs = streams.run(step.stream, step.fn, inputs, waits)
         if step.records_event or record:
-            events[k] = self.streams.record_event(step.stream)
+            events[k] = streams.record_event(step.stream)
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value

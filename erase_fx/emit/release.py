@@ -33,7 +33,7 @@ stage reuses the memory, ordered by the stream itself.
 Which lag pays depends on how long each side stream runs against the main
 segments after its block: with ``release_lag="auto"`` `erase_fx.compile_step`
 captures the step with each candidate lag and keeps one by timing
-(`erase_fx.lag_tuning`); the program then plans with the lag of the
+(`erase_fx.capture_tuning`); the program then plans with the lag of the
 capture's trial (`StreamProgram.capture_plan_for`).
 
 `plan_captured_releases` is a pure function of the program's steps; the

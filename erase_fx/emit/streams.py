@@ -19,9 +19,19 @@ events, fn)` runs an early optimizer update (`erase_fx.early_update`) on the
 update stream of side stream ``lane`` once ``events`` fired;
 `StreamOps.join_update()` makes the current stream wait for the updates
 launched so far.
+
+`StreamOps.folded(width)` is the same object for a run on fewer streams: side
+stream ``s`` runs on ``1 + (s - 1) % width``
+(`EraseConfig.side_cuda_streams`). Folding only adds order: every event a
+step waits for was recorded by an earlier step, and one stream runs its work
+in launch order, so a wait on an event of the same stream is one it has
+already passed. Under CUDA graph capture the blocks that share a stream share
+its memory (the caching allocator reuses memory on the stream that freed it)
+and its cuBLAS workspace.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -35,6 +45,8 @@ T = TypeVar("T")
 
 
 class StreamOps(Protocol):
+    def folded(self, width: int | None) -> StreamOps: ...
+
     def fork(self, streams: Sequence[int]) -> None: ...
 
     def run(
@@ -69,6 +81,17 @@ class VirtualStreams:
 
     def __init__(self, trace: bool = False):
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
+        self.width: int | None = None
+
+    def folded(self, width: int | None) -> VirtualStreams:
+        """The same streams (and trace) with the side streams folded onto ``width``: the
+        trace then names the stream each step would run on."""
+        view = copy.copy(self)
+        view.width = width
+        return view
+
+    def _on(self, stream: int) -> int:
+        return _fold(stream, self.width)
 
     def fork(self, streams: Sequence[int]) -> None:
         if self.trace is not None and streams:
@@ -79,8 +102,8 @@ class VirtualStreams:
     ) -> Sequence[Any]:
         if self.trace is not None:
             if waits:
-                self.trace.append(("wait", stream, tuple(waits)))
-            self.trace.append(("run", stream))
+                self.trace.append(("wait", self._on(stream), tuple(waits)))
+            self.trace.append(("run", self._on(stream)))
         return fn(inputs)
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
@@ -89,12 +112,12 @@ class VirtualStreams:
 
     def record_event(self, stream: int) -> Any:
         if self.trace is not None:
-            self.trace.append(("record", stream))
-        return stream
+            self.trace.append(("record", self._on(stream)))
+        return self._on(stream)
 
     def wait_events(self, stream: int, events: Sequence[Any]) -> None:
         if self.trace is not None:
-            self.trace.append(("wait_events", stream, tuple(events)))
+            self.trace.append(("wait_events", self._on(stream), tuple(events)))
 
     def run_comm(self, after: Sequence[int], tensors: Sequence[Any], fn: Callable[[], T]) -> T:
         """In program order: the collective runs now (on CPU, gloo's blocking call)."""
@@ -123,18 +146,27 @@ class CudaStreams:
     def __init__(self, device: torch.device, num_side_streams: int):
         self.device = device
         self.side = side_streams(device, num_side_streams)
-        self._comm: torch.cuda.Stream | None = None
+        self.width: int | None = None
+        # NB: containers, shared with the folded views (copies) of these streams
+        self._comm: list[torch.cuda.Stream] = []  # the communication stream, once used
         self._updates: dict[int, torch.cuda.Stream] = {}
+
+    def folded(self, width: int | None) -> CudaStreams:
+        """The same streams with side stream ``s`` run on side stream ``1 + (s - 1) % width``
+        (see the module docstring); the communication and update streams are shared."""
+        view = copy.copy(self)
+        view.width = width
+        return view
 
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
             return torch.cuda.current_stream(self.device)
-        return self.side[stream - 1]
+        return self.side[_fold(stream, self.width) - 1]
 
     def fork(self, streams: Sequence[int]) -> None:
         """The side streams wait for the work launched on the main stream so far."""
         main = torch.cuda.current_stream(self.device)
-        for stream in streams:
+        for stream in sorted({_fold(s, self.width) for s in streams}):
             self.side[stream - 1].wait_stream(main)
 
     def run(
@@ -163,7 +195,7 @@ class CudaStreams:
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         """The main stream waits for the side streams before it uses values made there."""
         main = torch.cuda.current_stream(self.device)
-        for stream in streams:
+        for stream in sorted({_fold(s, self.width) for s in streams}):
             main.wait_stream(self.side[stream - 1])
         if torch.cuda.is_current_stream_capturing():
             return  # values of a captured forward live in the graph's own memory
@@ -187,9 +219,9 @@ class CudaStreams:
     @property
     def comm(self) -> torch.cuda.Stream:
         """The device's communication stream (made on first use, shared by every graph)."""
-        if self._comm is None:
-            self._comm = comm_stream(self.device)
-        return self._comm
+        if not self._comm:
+            self._comm.append(comm_stream(self.device))
+        return self._comm[0]
 
     def run_comm(self, after: Sequence[int], tensors: Sequence[Any], fn: Callable[[], T]) -> T:
         """``fn`` on the communication stream, after the work launched so far on ``after``.
@@ -212,8 +244,8 @@ class CudaStreams:
 
     def wait_comm(self) -> None:
         """The current stream waits for the communication stream's work so far."""
-        if self._comm is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._comm)
+        if self._comm:
+            torch.cuda.current_stream(self.device).wait_stream(self._comm[0])
 
     def run_update(self, lane: int, events: Sequence[torch.cuda.Event],
                    fn: Callable[[], T]) -> T:
@@ -245,6 +277,13 @@ class CudaStreams:
         current = torch.cuda.current_stream(self.device)
         for stream in self._updates.values():
             current.wait_stream(stream)
+
+
+def _fold(stream: int, width: int | None) -> int:
+    """The stream side stream ``stream`` runs on when side streams are folded onto ``width``."""
+    if stream == MAIN_STREAM or width is None:
+        return stream
+    return 1 + (stream - 1) % width
 
 
 _pool_lock = threading.Lock()

@@ -1,11 +1,13 @@
-"""`erase_fx.lag_tuning`: the choice of ``release_lag`` by timed captures, and its plumbing.
+"""`erase_fx.capture_tuning`: ``release_lag`` and ``side_cuda_streams`` chosen by timed
+captures, and the plumbing.
 
-The pure rules (`choose_lag`, `next_candidate`) and the tuner's sequence are
-checked directly; the programs' side (a ``release_lag="auto"`` program plans
-its captured frees with the open trial's lag and says it asked) on CPU
-through the captured path; `compile_step`'s side with the fake CUDA of
-``fake_cuda.py``, timings and pool sizes given per lag by the test. The GPU
-runs it for real in ``bench/check_step.py`` (``--checks release-lag``).
+The pure rules (`candidates_for`, `choose`, `next_candidate`) and the
+tuner's sequence are checked directly; the programs' side (an ``"auto"``
+program plans its captured frees and folds its streams as the open trial
+says, and says what it asked) on CPU through the captured path and virtual
+streams; `compile_step`'s side with the fake CUDA of ``fake_cuda.py``,
+timings and pool sizes given per choice by the test. The GPU runs it for
+real in ``bench/check_step.py`` (``--checks release-lag``).
 """
 from __future__ import annotations
 
@@ -15,12 +17,20 @@ import weakref
 import pytest
 import torch
 
-from erase_fx import compile_step, lag_tuning
-from erase_fx.config import EraseConfig
+from erase_fx import capture_tuning, compile_step
 from erase_fx import step as step_module
+from erase_fx.capture_tuning import (
+    KEEP,
+    CaptureMeasurement,
+    CaptureTuner,
+    candidates_for,
+    choose,
+    next_candidate,
+)
+from erase_fx.config import EraseConfig
 from erase_fx.emit import capture_scope
 from erase_fx.emit import program as program_module
-from erase_fx.lag_tuning import KEEP, LagMeasurement, LagTuner, choose_lag, next_candidate
+from erase_fx.emit.capture_scope import CaptureChoice, CaptureTrial
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 from graphs import Chain as GraphChain
 from graphs import Stages, chain_inputs, real_values
@@ -30,42 +40,70 @@ from test_step import erase_training, two_model_step
 MiB = 2**20
 
 
-def m(lag, ms, mib):
-    return LagMeasurement(lag, ms, ms, ms, mib * MiB)
+C = CaptureChoice
+#: what a program with release_lag="auto" alone asks for: the lags, one CUDA stream each
+LAGS_ONLY = candidates_for(CaptureTrial(C(), lag_asked=1))
+
+
+def m(lag, ms, mib, width=None):
+    return CaptureMeasurement(C(lag, width), ms, ms, ms, mib * MiB)
+
+
+def key(choice):
+    """How the tests' tables name a choice: its lag, or (lag, width) when folded."""
+    return choice.lag if choice.width is None else (choice.lag, choice.width)
 
 
 # -- the rules ------------------------------------------------------------------
 
 
-def test_choose_lag_takes_the_least_memory_among_the_fast():
-    assert choose_lag([m(None, 10.0, 500), m(2, 10.1, 300), m(1, 11.0, 200)]) == 2
-    assert choose_lag([m(None, 10.0, 500), m(2, 10.5, 300)]) is None  # 5% slower: too slow
-    assert choose_lag([m(None, 10.1, 500), m(2, 10.0, 500)]) is None  # a tie: the first
-    assert choose_lag([m(None, 10.0, 500), m(2, 10.5, 300)], tolerance=0.1) == 2
+def test_candidates_are_what_the_programs_asked_for_the_default_first():
+    assert LAGS_ONLY == (C(None), C(2), C(1))
+    assert candidates_for(CaptureTrial(C())) == (C(),)
+    assert candidates_for(CaptureTrial(C(), width_asked=1, widest=4)) == (C(None), C(None, 2))
+    assert candidates_for(CaptureTrial(C(), width_asked=1, widest=2)) == (C(),)  # nothing to fold
+    assert candidates_for(CaptureTrial(C(), lag_asked=1, width_asked=1, widest=3)) == (
+        C(None), C(2), C(1), C(None, 2), C(2, 2), C(1, 2))
+
+
+def test_choose_takes_the_least_memory_among_the_fast():
+    assert choose([m(None, 10.0, 500), m(2, 10.1, 300), m(1, 11.0, 200)]) == C(2)
+    assert choose([m(None, 10.0, 500), m(2, 10.5, 300)]) == C(None)  # 5% slower: too slow
+    assert choose([m(None, 10.1, 500), m(2, 10.0, 500)]) == C(None)  # a tie: the first
+    assert choose([m(None, 10.0, 500), m(2, 10.5, 300)], tolerance=0.1) == C(2)
+    assert choose([m(None, 10.0, 500), m(None, 10.1, 300, width=2)]) == C(None, 2)
     with pytest.raises(ValueError):
-        choose_lag([])
+        choose([])
 
 
-def test_next_candidate_skips_smaller_lags_than_a_slow_one():
-    assert next_candidate([]) == (True, None)
-    assert next_candidate([m(None, 10.0, 500)]) == (True, 2)
-    assert next_candidate([m(None, 10.0, 500), m(2, 10.1, 400)]) == (True, 1)
+def test_next_candidate_skips_what_waits_no_less_than_a_slow_one():
+    assert next_candidate([], LAGS_ONLY) == C(None)
+    assert next_candidate([m(None, 10.0, 500)], LAGS_ONLY) == C(2)
+    assert next_candidate([m(None, 10.0, 500), m(2, 10.1, 400)], LAGS_ONLY) == C(1)
     # 2 was too slow: 1 waits sooner still, so it is not tried
-    assert next_candidate([m(None, 10.0, 500), m(2, 12.0, 400)]) == (False, None)
+    assert next_candidate([m(None, 10.0, 500), m(2, 12.0, 400)], LAGS_ONLY) is None
     # a slow 1 says nothing of 2
-    assert next_candidate([m(None, 10.0, 500), m(1, 12.0, 400)], (None, 1, 2)) == (True, 2)
-    assert next_candidate([m(None, 1, 1), m(2, 1, 1), m(1, 1, 1)]) == (False, None)
+    assert next_candidate([m(None, 10.0, 500), m(1, 12.0, 400)], (C(None), C(1), C(2))) == C(2)
+    assert next_candidate([m(None, 1, 1), m(2, 1, 1), m(1, 1, 1)], LAGS_ONLY) is None
+    both = (C(None), C(2), C(1), C(None, 2), C(2, 2), C(1, 2))
+    # lag 2 too slow on four streams: lag 1 and lag 2 on two are skipped, two streams held
+    # to the join are not (they wait at the join only)
+    assert next_candidate([m(None, 10.0, 500), m(2, 12.0, 400)], both) == C(None, 2)
+    # two streams too slow: every folded candidate goes
+    assert next_candidate([m(None, 10.0, 500), m(2, 10.0, 400), m(1, 10.0, 300),
+                           m(None, 12.0, 200, width=2)], both) is None
 
 
 class FakeTimes:
-    """`timed_replay` and `median_and_range` as the GPU would answer, per the tuner's lag."""
+    """`timed_replay` and `median_and_range` as the GPU would answer, per the tuner's choice
+    (`key`)."""
 
-    def __init__(self, monkeypatch, ms_by_lag):
-        self.ms_by_lag = ms_by_lag
+    def __init__(self, monkeypatch, ms_by_choice):
+        self.ms_by_choice = ms_by_choice
         self.tuner = None
         self.replays = 0
-        monkeypatch.setattr(lag_tuning, "timed_replay", self.timed_replay)
-        monkeypatch.setattr(lag_tuning, "median_and_range", self.median_and_range)
+        monkeypatch.setattr(capture_tuning, "timed_replay", self.timed_replay)
+        monkeypatch.setattr(capture_tuning, "median_and_range", self.median_and_range)
 
     def timed_replay(self, graph):
         graph.replay()
@@ -73,7 +111,7 @@ class FakeTimes:
         return None, None
 
     def median_and_range(self, pairs):
-        ms = self.ms_by_lag[self.tuner.lag]
+        ms = self.ms_by_choice[key(self.tuner.choice)]
         return ms, ms, ms
 
 
@@ -85,48 +123,58 @@ class Graph:
         self.replays += 1
 
 
-def run_tuner(tuner, times, mib_by_lag):
-    """Drive a tuner as compile_step does; the lags it captured, in order."""
+def run_tuner(tuner, times, mib_by_choice):
+    """Drive a tuner as compile_step does; the choices it captured, in order (`key`)."""
     times.tuner = tuner
     captured = []
     while not tuner.done:
-        captured.append(tuner.lag)
-        tuner.captured(mib_by_lag[tuner.lag] * MiB)
+        captured.append(key(tuner.choice))
+        tuner.captured(mib_by_choice[key(tuner.choice)] * MiB)
         graph = Graph()
         verdict = KEEP
         while verdict == KEEP and not tuner.done:
             tuner.replay(graph)
             verdict = tuner.next_capture()
-        assert graph.replays == lag_tuning.TIMED_REPLAYS + 1  # the capture's own, untimed
+        assert graph.replays == capture_tuning.TIMED_REPLAYS + 1  # the capture's own, untimed
     if verdict != KEEP:
-        captured.append(verdict)  # the chosen lag's capture, not timed
+        captured.append(key(verdict))  # the choice's capture, not timed
     return captured
 
 
 def test_the_tuner_measures_each_candidate_and_keeps_the_choice_in_hand(monkeypatch):
     times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.1, 1: 10.9})
-    tuner = LagTuner()
+    tuner = CaptureTuner(LAGS_ONLY)
     captured = run_tuner(tuner, times, {None: 500, 2: 300, 1: 250})
     # 1 is too slow; 2 is the least memory among the fast: captured again to keep it
-    assert captured == [None, 2, 1, 2] and tuner.done and tuner.chosen == 2
-    assert [x.lag for x in tuner.measured] == [None, 2, 1]
-    assert tuner.lag == 2  # the next capture's
-    assert times.replays == 3 * lag_tuning.TIMED_REPLAYS
+    assert captured == [None, 2, 1, 2] and tuner.done and tuner.chosen == C(2)
+    assert [x.choice.lag for x in tuner.measured] == [None, 2, 1]
+    assert tuner.choice == C(2)  # the next capture's
+    assert times.replays == 3 * capture_tuning.TIMED_REPLAYS
 
 
 def test_the_tuner_skips_a_lag_below_a_slow_one_and_recaptures_the_choice(monkeypatch):
     times = FakeTimes(monkeypatch, {None: 10.0, 2: 13.0, 1: 9.0})
-    tuner = LagTuner()
+    tuner = CaptureTuner(LAGS_ONLY)
     captured = run_tuner(tuner, times, {None: 500, 2: 300, 1: 250})
-    assert captured == [None, 2, None] and tuner.chosen is None  # 1 skipped: 2 was slow
-    assert tuner.measured[-1].describe().startswith("release_lag=2: 13.000 ms")
+    assert captured == [None, 2, None] and tuner.chosen == C(None)  # 1 skipped: 2 was slow
+    assert tuner.measured[-1].describe().startswith(
+        "release_lag=2, side_cuda_streams=None: 13.000 ms")
 
 
 def test_the_tuner_keeps_the_graph_in_hand_when_it_is_the_choice(monkeypatch):
     times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.0, 1: 10.0})
-    tuner = LagTuner()
+    tuner = CaptureTuner(LAGS_ONLY)
     assert run_tuner(tuner, times, {None: 500, 2: 300, 1: 250}) == [None, 2, 1]
-    assert tuner.chosen == 1
+    assert tuner.chosen == C(1)
+
+
+def test_the_tuner_folds_streams_where_that_is_as_fast_and_smaller(monkeypatch):
+    both = candidates_for(CaptureTrial(C(), lag_asked=1, width_asked=1, widest=4))
+    times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.5, (None, 2): 10.1})
+    tuner = CaptureTuner(both)
+    captured = run_tuner(tuner, times, {None: 900, 2: 700, (None, 2): 600})
+    # lag 2 too slow: lag 1 and every lag on two streams skipped; two streams kept
+    assert captured == [None, 2, (None, 2)] and tuner.chosen == C(None, 2)
 
 
 def test_pool_bytes_sums_a_graph_pools_segments(monkeypatch):
@@ -135,8 +183,8 @@ def test_pool_bytes_sums_a_graph_pools_segments(monkeypatch):
                 {"segment_pool_id": (1, 2), "total_size": 6},
                 {"segment_pool_id": (1, 5), "total_size": 8}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert lag_tuning.graph_pools() == {(1, 2): 26, (1, 5): 8}
-    assert lag_tuning.pool_bytes((1, 2)) == 26 and lag_tuning.pool_bytes((7, 7)) == 0
+    assert capture_tuning.graph_pools() == {(1, 2): 26, (1, 5): 8}
+    assert capture_tuning.pool_bytes((1, 2)) == 26 and capture_tuning.pool_bytes((7, 7)) == 0
 
 
 # -- the programs' side ---------------------------------------------------------------
@@ -160,27 +208,27 @@ def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch
     plans = []
     original = program_module.StreamProgram._run_captured
 
-    def spy(self, env, plan, contexts=None):
+    def spy(self, env, plan, streams, contexts=None):
         plans.append(plan)
-        original(self, env, plan, contexts)
+        original(self, env, plan, streams, contexts)
 
     monkeypatch.setattr(program_module.StreamProgram, "_run_captured", spy)
     monkeypatch.setattr(program_module, "_capturing", lambda: True)
     program(inputs())
-    with capture_scope.release_lag_trial(2) as trial:
+    with capture_scope.capture_trial(C(2)) as trial:
         program(inputs())
-        with capture_scope.release_lag_trial(1) as inner:  # a step inside a step: outer decides
+        with capture_scope.capture_trial(C(1)) as inner:  # a step inside a step: outer decides
             program(inputs())
     program(inputs())
     assert plans == [program.capture_plan_for(lag) for lag in (None, 2, 2, None)]
-    assert (trial.asked, inner.asked) == (2, 0)
+    assert (trial.lag_asked, trial.width_asked, inner.lag_asked) == (2, 0, 0)
 
 
 def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
     fixed, inputs = build_program(2)
-    with capture_scope.release_lag_trial(1) as trial:
+    with capture_scope.capture_trial(C(1)) as trial:
         fixed(inputs())
-    assert trial.asked == 0
+    assert trial.lag_asked == 0
     assert fixed.capture_plan == fixed.capture_plan_for(2)
     stages = Stages(GraphChain(5), chain_inputs(),
                     EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
@@ -191,7 +239,7 @@ def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
 # -- compile_step ------------------------------------------------------------------
 #
 # NB: under the fake capture (a TorchDispatchMode) Dynamo runs compiled models eagerly, so the
-# step stands in for a release_lag="auto" program by asking as one does (`auto_release_lag`).
+# step stands in for a release_lag="auto" program by asking as one does (`auto_choice`).
 
 
 class Asking:
@@ -202,7 +250,7 @@ class Asking:
         self.lags = []
 
     def __call__(self, x, y):
-        self.lags.append(capture_scope.auto_release_lag())
+        self.lags.append(capture_scope.auto_choice(True, 0).lag)
         return self.model(x, y)
 
 
@@ -214,15 +262,15 @@ def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
     reference = two_model_step([ref_model], [ref_opt], [ref_model])
     times = FakeTimes(monkeypatch, ms_by_lag)
     monkeypatch.setattr(step_module, "pool_bytes",
-                        lambda pool: mib_by_lag[step.release_lag_tunings[-1].lag] * MiB)
+                        lambda pool: mib_by_lag[key(step.capture_tunings[-1].choice)] * MiB)
     return step, reference, times, asking, (model, ref_model), (opt, ref_opt)
 
 
 def train(step, reference, times, calls, seed=3):
     g = torch.Generator().manual_seed(seed)
     for i in range(calls):
-        if step.release_lag_tunings:
-            times.tuner = step.release_lag_tunings[0]
+        if step.capture_tunings:
+            times.tuner = step.capture_tunings[0]
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
         assert torch.equal(step(x, y), reference(x, y)), i
 
@@ -230,18 +278,18 @@ def train(step, reference, times, calls, seed=3):
 def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeypatch, caplog):
     step, reference, times, asking, (model, ref_model), _ = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
-    calls = 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 4
+    calls = 3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 4
     with caplog.at_level(logging.INFO, logger="erase_fx.step"):
         train(step, reference, times, calls)
-    (tuner,) = step.release_lag_tunings
-    assert tuner.done and tuner.chosen == 2
-    assert [x.lag for x in tuner.measured] == [None, 2, 1]
+    (tuner,) = step.capture_tunings
+    assert tuner.done and tuner.chosen == C(2)
+    assert [x.choice.lag for x in tuner.measured] == [None, 2, 1]
     # two warm-ups, the capture with None, one more warm-up (the module hook is gone: see
     # compile_step), then captures with 2, 1 and the chosen 2; two micro-batches each
     assert asking.lags == [None] * 6 + [None, None, 2, 2, 1, 1, 2, 2]
     assert (step.captures, step.tuning_captures, step.warmups) == (1, 3, 3)
     assert step.replays == calls - 3
-    assert "release_lag=2 chosen" in caplog.text
+    assert "release_lag=2, side_cuda_streams=None chosen" in caplog.text
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
@@ -250,15 +298,15 @@ def test_tuning_captures_do_not_count_toward_max_captures(fake_cuda, monkeypatch
     step, reference, times, *_ = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.0, 1: 10.0}, {None: 500, 2: 300, 1: 250})
     step.max_captures = 1
-    train(step, reference, times, 3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2)
+    train(step, reference, times, 3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2)
     assert (step.captures, step.tuning_captures) == (1, 2)
-    assert step.release_lag_tunings[0].chosen == 1 and step.uncaptured_reason is None
+    assert step.capture_tunings[0].chosen == C(1) and step.uncaptured_reason is None
 
 
 def test_a_step_without_an_auto_program_is_not_tuned(fake_cuda, monkeypatch):
     step, reference, times, *_ = tuned_training(monkeypatch, {}, {}, ask=False)
     train(step, reference, times, 8)
-    assert (step.captures, step.tuning_captures, step.release_lag_tunings) == (1, 0, [])
+    assert (step.captures, step.tuning_captures, step.capture_tunings) == (1, 0, [])
 
 
 def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_cuda,
@@ -285,9 +333,9 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
 
     monkeypatch.setattr(step_module, "_release_dropped_pools", release)
     g = torch.Generator().manual_seed(3)
-    for _ in range(3 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2):
-        if step.release_lag_tunings:
-            times.tuner = step.release_lag_tunings[0]
+    for _ in range(3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2):
+        if step.capture_tunings:
+            times.tuner = step.capture_tunings[0]
         step(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
         watch_captures()
     assert step.tuning_captures == 3 and len(grads_of_captures) == 4  # the last: the choice
@@ -299,14 +347,42 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
     recapture, counted as such); its timings start over; training stays exact."""
     step, reference, times, asking, (model, ref_model), opts = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
-    train(step, reference, times, 3 + (lag_tuning.TIMED_REPLAYS + 1) + 3)
-    tuner = step.release_lag_tunings[0]
-    assert tuner.lag == 2 and [m.lag for m in tuner.measured] == [None]
+    train(step, reference, times, 3 + (capture_tuning.TIMED_REPLAYS + 1) + 3)
+    tuner = step.capture_tunings[0]
+    assert tuner.choice == C(2) and [m.choice for m in tuner.measured] == [C(None)]
     for opt in opts:
         opt.param_groups[0]["lr"] = 0.02
-    train(step, reference, times, 2 + 3 * (lag_tuning.TIMED_REPLAYS + 1) + 2, seed=4)
-    assert tuner.done and tuner.chosen == 2 and [m.lag for m in tuner.measured] == [None, 2, 1]
+    train(step, reference, times, 2 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2, seed=4)
+    assert tuner.done and tuner.chosen == C(2)
+    assert [m.choice.lag for m in tuner.measured] == [None, 2, 1]
     assert (step.captures, step.tuning_captures) == (2, 3)
     assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
+    stages = Stages(GraphChain(5), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=4, stages_on_side=False))
+    program, streams = build(stages, side_cuda_streams="auto")
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    assert program.side_streams == (1, 2, 3, 4)
+
+    def run_on():
+        streams.trace.clear()
+        got = program(list(args))
+        return got, {e[1] for e in streams.trace if e[0] == "run"}
+
+    want, used = run_on()
+    assert used == {0, 1, 2, 3, 4}
+    with capture_scope.capture_trial(C(None, 2)) as trial:
+        got, used = run_on()
+    assert used == {0, 1, 2} and (trial.width_asked, trial.widest, trial.lag_asked) == (1, 4, 0)
+    for a, b in zip(want, got):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    fixed, fixed_streams = build(stages, side_cuda_streams=1)
+    fixed_streams.trace.clear()
+    fixed(list(args))
+    assert {e[1] for e in fixed_streams.trace if e[0] == "run"} == {0, 1}
