@@ -266,13 +266,14 @@ def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
     return step, reference, times, asking, (model, ref_model), (opt, ref_opt)
 
 
-def train(step, reference, times, calls, seed=3):
+def train(step, reference, times, calls, seed=3, after_each=lambda: None):
     g = torch.Generator().manual_seed(seed)
     for i in range(calls):
         if step.capture_tunings:
             times.tuner = step.capture_tunings[0]
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
         assert torch.equal(step(x, y), reference(x, y)), i
+        after_each()
 
 
 def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeypatch, caplog):
@@ -332,12 +333,8 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
                                     if r() is not None and id(r()) not in current))
 
     monkeypatch.setattr(step_module, "_release_dropped_pools", release)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2):
-        if step.capture_tunings:
-            times.tuner = step.capture_tunings[0]
-        step(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
-        watch_captures()
+    train(step, reference, times, 3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2,
+          after_each=watch_captures)
     assert step.tuning_captures == 3 and len(grads_of_captures) == 4  # the last: the choice
     assert alive_at_release == [0]
 
