@@ -29,7 +29,8 @@ bytes made on that stream alive at once): under capture memory freed on a
 stream is reused only by that stream, so the step's pool needs about their
 sum, plus what the segments allocate inside (not seen here: a head's
 log-softmax within a block's segment, say). ``--streams 4,2`` compares side
-stream counts; ``--largest N`` lists, after the table, the N largest values
+stream counts; ``--side-cuda-streams N`` gives the peaks of the CUDA streams
+the side streams are folded onto (`EraseConfig.side_cuda_streams`); ``--largest N`` lists, after the table, the N largest values
 each row holds at the join (kind, dtype and shape, the segment that made
 them; a storage several slots share counts once, as its longest-held slot's
 kind).
@@ -51,6 +52,7 @@ import torch
 from bench.models import build_config, parse_config
 from erase_fx.emit import program as program_module
 from erase_fx.emit.release import SlotUses, StepIO
+from erase_fx.emit.streams import fold
 from erase_fx.passes import MAIN_STREAM
 
 KINDS = ("main -> side", "side -> main", "side -> side", "one stream", "returned")
@@ -195,7 +197,12 @@ def recording() -> Iterator[list[Held]]:
 
     def launch_watching(self, k, step, env, events, stream_ops, record=False):
         launch(self, k, step, env, events, stream_ops, record)
+        # NB: by the CUDA stream a value was made on (side streams folded: side_cuda_streams)
+        live: dict[int, int] = {}
         for stream, size in live_bytes_by_stream(self, env, streams[id(self)]).items():
+            cuda_stream = fold(stream, getattr(stream_ops, "width", None))
+            live[cuda_stream] = live.get(cuda_stream, 0) + size
+        for stream, size in live.items():
             peaks[stream] = max(peaks.get(stream, 0), size)
 
     def run_captured(self, env, plan, stream_ops, context=None):
@@ -231,14 +238,17 @@ def live_bytes_by_stream(program: program_module.StreamProgram, env: list,
 
 
 def measure(text: str, device: torch.device, inner: str = "inductor",
-            stages_on_side: bool = True, streams: int = 4) -> Held:
-    """What one training step's forwards hold; see `Held`."""
+            stages_on_side: bool = True, streams: int = 4,
+            side_cuda_streams: int | None = None) -> Held:
+    """What one training step's forwards hold; see `Held`. With ``side_cuda_streams``, the
+    stream peaks are those of the CUDA streams the side streams are folded onto."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = build_config(parse_config(text), device)
     fn = torch.compile(model, backend="erase",
                        options={"on_error": "raise", "cudagraphs": False, "inner": inner,
-                                "stages_on_side": stages_on_side, "streams": streams})
+                                "stages_on_side": stages_on_side, "streams": streams,
+                                "side_cuda_streams": side_cuda_streams})
     with recording() as found:
         fn(*inputs).backward()
     total = Held(dict.fromkeys(KINDS, 0), {})
@@ -256,6 +266,9 @@ def main(argv=None) -> int:
                         help="erase's inner compiler (inductor: the segments a user gets)")
     parser.add_argument("--streams", default="4",
                         help="comma-separated side-stream counts to compare")
+    parser.add_argument("--side-cuda-streams", type=int, default=None, metavar="N",
+                        help="fold the side streams onto N CUDA streams "
+                        "(EraseConfig.side_cuda_streams): the stream peaks are theirs")
     parser.add_argument("--largest", type=int, default=0, metavar="N",
                         help=f"after the table, the N (at most {LARGEST}) largest values each "
                         "row holds at the join, the forward's returns left out")
@@ -268,7 +281,8 @@ def main(argv=None) -> int:
     for text in args.configs.split(","):
         for streams in (int(n) for n in args.streams.split(",")):
             for on_side in (True, False):
-                held = measure(text, device, args.inner, on_side, streams)
+                held = measure(text, device, args.inner, on_side, streams,
+                               args.side_cuda_streams)
                 where = "on side streams" if on_side else "on the main stream"
                 listed.append((f"{text}, {streams} side streams, stages {where}",
                                held.largest[:args.largest]))

@@ -75,3 +75,16 @@ def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them(
     assert top.kind == "main -> side" and top.made_by.startswith("seg_"), top
     assert re.fullmatch(r"\d+\.\d MiB main -> side: b?float\d+\[\d+(, \d+)*\] from seg_\w+",
                         str(top)), top
+
+
+def test_folded_side_streams_peak_on_the_cuda_streams_they_run_on():
+    """`EraseConfig.side_cuda_streams`: four side streams on one CUDA stream hold their
+    blocks' values in one pool, whose peak is no more than the sum of the four's; what is
+    held at the join does not change (the release plan is the logical streams')."""
+    cpu = held_to_join.torch.device("cpu")
+    apart = held_to_join.measure("gpt:4:64:128:9", cpu, "aot_eager", True, 4)
+    folded = held_to_join.measure("gpt:4:64:128:9", cpu, "aot_eager", True, 4, 1)
+    assert set(apart.stream_peaks) == {0, 1, 2, 3, 4} and set(folded.stream_peaks) == {0, 1}
+    side = sum(v for s, v in apart.stream_peaks.items() if s)
+    assert folded.stream_peaks[1] < side
+    assert folded.kinds == apart.kinds

@@ -91,7 +91,7 @@ class VirtualStreams:
         return view
 
     def _on(self, stream: int) -> int:
-        return _fold(stream, self.width)
+        return fold(stream, self.width)
 
     def fork(self, streams: Sequence[int]) -> None:
         if self.trace is not None and streams:
@@ -161,12 +161,12 @@ class CudaStreams:
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
             return torch.cuda.current_stream(self.device)
-        return self.side[_fold(stream, self.width) - 1]
+        return self.side[fold(stream, self.width) - 1]
 
     def fork(self, streams: Sequence[int]) -> None:
         """The side streams wait for the work launched on the main stream so far."""
         main = torch.cuda.current_stream(self.device)
-        for stream in sorted({_fold(s, self.width) for s in streams}):
+        for stream in sorted({fold(s, self.width) for s in streams}):
             self.side[stream - 1].wait_stream(main)
 
     def run(
@@ -195,7 +195,7 @@ class CudaStreams:
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         """The main stream waits for the side streams before it uses values made there."""
         main = torch.cuda.current_stream(self.device)
-        for stream in sorted({_fold(s, self.width) for s in streams}):
+        for stream in sorted({fold(s, self.width) for s in streams}):
             main.wait_stream(self.side[stream - 1])
         if torch.cuda.is_current_stream_capturing():
             return  # values of a captured forward live in the graph's own memory
@@ -279,7 +279,7 @@ class CudaStreams:
             current.wait_stream(stream)
 
 
-def _fold(stream: int, width: int | None) -> int:
+def fold(stream: int, width: int | None) -> int:
     """The stream side stream ``stream`` runs on when side streams are folded onto ``width``."""
     if stream == MAIN_STREAM or width is None:
         return stream
