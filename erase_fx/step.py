@@ -132,11 +132,11 @@ import torch.utils._pytree as pytree
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from erase_fx.capture_tuning import KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, pool_bytes
 from erase_fx.early_update import describe_refusals, open_session
 from erase_fx.emit.capture_scope import CaptureChoice, capture_trial, whole_step_scope
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
-from erase_fx.capture_tuning import KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -413,8 +413,9 @@ class CompiledStep:
         # so that a tuning's dropped graphs can give their pools back (_release_dropped_pools)
         del before
         self._note_early_updates(session)
-        if entry.tuner is None and len(candidates_for(trial)) > 1:
-            entry.tuner = CaptureTuner(candidates_for(trial))
+        candidates = candidates_for(trial) if entry.tuner is None else ()
+        if len(candidates) > 1:
+            entry.tuner = CaptureTuner(candidates)
             self.capture_tunings.append(entry.tuner)
         tuning, entry.tuning_capture = entry.tuning_capture, False
         if tuning:
