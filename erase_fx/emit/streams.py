@@ -69,7 +69,19 @@ class StreamOps(Protocol):
     def join_update(self) -> None: ...
 
 
-class VirtualStreams:
+class _Folding:
+    """`StreamOps.folded` for both kinds of streams: a shallow copy (what its streams hold is
+    shared) that runs side stream ``s`` on ``fold(s, width)``."""
+
+    width: int | None = None
+
+    def folded(self, width: int | None) -> Any:
+        view = copy.copy(self)
+        view.width = width
+        return view
+
+
+class VirtualStreams(_Folding):
     """CPU: streams are labels; steps run in program order.
 
     With ``trace=True`` it records what a CUDA run would do, as
@@ -80,15 +92,8 @@ class VirtualStreams:
     """
 
     def __init__(self, trace: bool = False):
+        # NB: folded views share the trace, which names the stream each step would run on
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
-        self.width: int | None = None
-
-    def folded(self, width: int | None) -> VirtualStreams:
-        """The same streams (and trace) with the side streams folded onto ``width``: the
-        trace then names the stream each step would run on."""
-        view = copy.copy(self)
-        view.width = width
-        return view
 
     def _on(self, stream: int) -> int:
         return fold(stream, self.width)
@@ -140,23 +145,15 @@ class VirtualStreams:
             self.trace.append(("join_update",))
 
 
-class CudaStreams:
+class CudaStreams(_Folding):
     """CUDA: side steps run on side streams forked from, and joined to, the current stream."""
 
     def __init__(self, device: torch.device, num_side_streams: int):
         self.device = device
         self.side = side_streams(device, num_side_streams)
-        self.width: int | None = None
         # NB: containers, shared with the folded views (copies) of these streams
         self._comm: list[torch.cuda.Stream] = []  # the communication stream, once used
         self._updates: dict[int, torch.cuda.Stream] = {}
-
-    def folded(self, width: int | None) -> CudaStreams:
-        """The same streams with side stream ``s`` run on side stream ``1 + (s - 1) % width``
-        (see the module docstring); the communication and update streams are shared."""
-        view = copy.copy(self)
-        view.width = width
-        return view
 
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
