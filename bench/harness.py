@@ -36,8 +36,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   forward compiled as one graph), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
   last reader instead of at the join; ``/release-lag=auto``: ``compile_step``
-  times the candidates and keeps one, `erase_fx.capture_tuning`;
-  ``/side-cuda-streams=N`` and ``=auto``: `EraseConfig.side_cuda_streams`), ``/stages-on-main`` and
+  times the candidates and keeps one, `erase_fx.capture_tuning`),
+  ``/side-cuda-streams=N`` and ``=auto`` (`EraseConfig.side_cuda_streams`),
+  ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
   the default's rule decides), ``/shared-input-values``
@@ -423,10 +424,13 @@ class BuiltStep:
             info["tuning_captures"] = self.program.tuning_captures
         return info
 
-    def tuning(self) -> bool:
-        """Whether ``compile_step`` is still timing ``release_lag`` candidates (its calls then
-        capture and time: not yet the steady state)."""
-        return bool(getattr(self.program, "tuning", False))
+    def warm_up(self, steps: int) -> None:
+        """``steps`` calls, then more while ``compile_step`` still times the candidates of
+        its ``"auto"`` options (its calls then capture and time: not yet the steady state)."""
+        for _ in range(steps):
+            self.step()
+        while getattr(self.program, "tuning", False):
+            self.step()
 
 
 def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.Tensor], *,

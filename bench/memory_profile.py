@@ -367,10 +367,7 @@ def profile_variant(cfg_text: str, variant: str, top: int, keep_code: str | None
     try:
         with Variant.parse(variant).patched(), _inductor_trace(trace_root):
             built = build_step(variant, model, inputs)
-            for _ in range(WARMUP_STEPS):
-                built.step()
-            while built.tuning():
-                built.step()
+            built.warm_up(WARMUP_STEPS)
             torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:

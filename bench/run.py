@@ -117,10 +117,7 @@ def measure(cfg, name: str, base, inputs, reference, args) -> dict:
     with variant.patched():
         with erase_fx.collect_reports() as reports:
             built = build_step(variant, model, inputs, after_first=after_first)
-            for _ in range(WARMUP_STEPS):
-                built.step()
-            while built.tuning():  # compile_step timing release_lag candidates
-                built.step()
+            built.warm_up(WARMUP_STEPS)
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         memory.before_timing()

@@ -359,3 +359,19 @@ def test_workspaces_are_what_clearing_cublas_frees(monkeypatch):
     monkeypatch.setattr(cuda, "memory_snapshot", lambda: next(snapshots))
     monkeypatch.setattr(harness, "clear_cublas_workspaces", lambda: cleared.append(True))
     assert harness.StepMemory().workspaces() == 4000 and cleared == [True]
+
+
+def test_warm_up_goes_on_while_compile_step_tunes():
+    class Program:
+        tuning = True
+
+    program, calls = Program(), []
+
+    def step():
+        calls.append(1)
+        program.tuning = len(calls) < 7
+
+    harness.BuiltStep(step, program=program).warm_up(5)
+    assert len(calls) == 7
+    harness.BuiltStep(lambda: calls.append(1)).warm_up(2)  # no compile_step: the steps asked
+    assert len(calls) == 9
