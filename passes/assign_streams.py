@@ -211,6 +211,7 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
     """
     position = {node: i for i, node in enumerate(nodes)}
     main_matrix_work = _main_positions(matrix_work, owner, position)
+    launch_point = _launch_points(nodes, owner, position)
     for node in reversed(nodes):
         block = owner.get(node)
         if (block is None or is_early(node) or node not in from_inputs
@@ -221,12 +222,13 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
         for member in chain:
             chain += [a for a in member.all_input_nodes
                       if owner.get(a) == block and a not in chain and not is_early(a)]
-        before = _launch_points(nodes, owner, position).get(block, -1)
+        before = launch_point.get(block, -1)
         after = max([before] + [position[n] for n in chain])
         if any(before < at <= after for at in main_matrix_work):
             continue
         for member in chain:
             owner[member] = None
+        launch_point = _launch_points(nodes, owner, position)  # NB: the block reads them now
 
 
 def _feeds_output_only(nodes: list[fx.Node], owner: dict, returned: set[fx.Node]) -> set[fx.Node]:
