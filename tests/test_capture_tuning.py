@@ -190,18 +190,19 @@ def test_pool_bytes_sums_a_graph_pools_segments(monkeypatch):
 # -- the programs' side ---------------------------------------------------------------
 
 
-def build_program(release_lag):
-    """Chain(5) on two streams, stages on the main stream: block activations cross streams."""
+def build_program(release_lag=None, side_cuda_streams=None, streams=2, trace=False):
+    """Chain(5), stages on the main stream (block activations cross streams): the program, its
+    virtual streams and fresh copies of its inputs' list."""
     stages = Stages(GraphChain(5), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
-    program, _ = build(stages, trace=False, release_lag=release_lag)
+                    EraseConfig(inner="aot_eager", streams=streams, stages_on_side=False))
+    program, stream_ops = build(stages, trace, release_lag, side_cuda_streams)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
-    return program, lambda: list(args)
+    return program, stream_ops, lambda: list(args)
 
 
 def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch):
-    program, inputs = build_program("auto")
+    program, _, inputs = build_program("auto")
     assert program.lag_matters
     assert program.capture_plan == program.capture_plan_for(None)
     assert program.capture_plan_for(2) != program.capture_plan_for(None)
@@ -225,7 +226,7 @@ def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch
 
 
 def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
-    fixed, inputs = build_program(2)
+    fixed, _, inputs = build_program(2)
     with capture_scope.capture_trial(C(1)) as trial:
         fixed(inputs())
     assert trial.lag_asked == 0
@@ -359,16 +360,12 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
 
 
 def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
-    stages = Stages(GraphChain(5), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=4, stages_on_side=False))
-    program, streams = build(stages, side_cuda_streams="auto")
-    values = real_values(stages.fw)
-    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    program, streams, inputs = build_program(side_cuda_streams="auto", streams=4, trace=True)
     assert program.side_streams == (1, 2, 3, 4)
 
     def run_on():
         streams.trace.clear()
-        got = program(list(args))
+        got = program(inputs())
         return got, {e[1] for e in streams.trace if e[0] == "run"}
 
     want, used = run_on()
@@ -379,7 +376,6 @@ def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
     for a, b in zip(want, got):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
-    fixed, fixed_streams = build(stages, side_cuda_streams=1)
-    fixed_streams.trace.clear()
-    fixed(list(args))
+    fixed, fixed_streams, inputs = build_program(side_cuda_streams=1, streams=4, trace=True)
+    fixed(inputs())
     assert {e[1] for e in fixed_streams.trace if e[0] == "run"} == {0, 1}
