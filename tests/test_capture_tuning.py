@@ -267,6 +267,14 @@ def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
     return step, reference, times, asking, (model, ref_model), (opt, ref_opt)
 
 
+def assert_trains_like_eager(models, opts):
+    """Every parameter, its gradient and its SGD momentum buffer equal to eager's."""
+    (model, ref_model), (opt, ref_opt) = models, opts
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+
+
 def train(step, reference, times, calls, seed=3, after_each=lambda: None):
     g = torch.Generator().manual_seed(seed)
     for i in range(calls):
@@ -278,7 +286,7 @@ def train(step, reference, times, calls, seed=3, after_each=lambda: None):
 
 
 def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeypatch, caplog):
-    step, reference, times, asking, (model, ref_model), _ = tuned_training(
+    step, reference, times, asking, models, opts = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     calls = 3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 4
     with caplog.at_level(logging.INFO, logger="erase_fx.step"):
@@ -292,8 +300,7 @@ def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeyp
     assert (step.captures, step.tuning_captures, step.warmups) == (1, 3, 3)
     assert step.replays == calls - 3
     assert "release_lag=2, side_cuda_streams=None chosen" in caplog.text
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    assert_trains_like_eager(models, opts)
 
 
 def test_tuning_captures_do_not_count_toward_max_captures(fake_cuda, monkeypatch):
@@ -343,7 +350,7 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
 def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cuda, monkeypatch):
     """A float lr changed while candidate 2 is timed: warm-up and a capture of 2 again (a
     recapture, counted as such); its timings start over; training stays exact."""
-    step, reference, times, asking, (model, ref_model), opts = tuned_training(
+    step, reference, times, asking, models, opts = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     train(step, reference, times, 3 + (capture_tuning.TIMED_REPLAYS + 1) + 3)
     tuner = step.capture_tunings[0]
@@ -355,8 +362,7 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
     assert [m.choice.lag for m in tuner.measured] == [None, 2, 1]
     assert (step.captures, step.tuning_captures) == (2, 3)
     assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q)
+    assert_trains_like_eager(models, opts)
 
 
 def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
