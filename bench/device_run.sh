@@ -128,7 +128,11 @@
 #   bash bench/device_run.sh auto-c    after the fix of the tuning's leftover pool: the check (one
 #                                      graph pool left, folding bitwise), then release_lag and
 #                                      side_cuda_streams "auto" against the default on ctr:16384,
-#                                      ResNet-18 and mlp:512 (~10 min, not yet run)
+#                                      ResNet-18 and mlp:512 (~10 min, ran
+#                                      2026-12-03: mlp:512 and ResNet's last row left out)
+#   bash bench/device_run.sh auto-d    after auto-c (ctr:16384 folded to 2 CUDA streams: 0.97x of stock's
+#                                      step memory at 0.99x time): both options "auto" against the
+#                                      default on ResNet-18, gpt:8, mlp:512 and gpt:16 (~9 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -246,7 +250,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -558,6 +562,14 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --configs ctr:16384:1024:2048:6,tv-resnet18-dgl:256:32,mlp:512:1024:2048:6 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
+      | grep -v '^erase_fx: graph' || true ;;
+  auto-d)
+    # where auto-c's budget ran out: "auto" for both options against the default, on the
+    # configs whose default still uses more memory than stock, and on gpt:16 (met: 1.00x)
+    timeout 560 python3 -m bench.run --budget-s 500 --out "$OUT/auto-d.json" --streams '' \
+      --configs tv-resnet18-dgl:256:32,gpt:8:768:1024:6,mlp:512:1024:2048:6,gpt:16:384:256:8 \
+      --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-a)
     # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules
