@@ -180,6 +180,17 @@ class CaptureTuner:
         return choice
 
 
+    def capture_failed(self) -> CaptureChoice:
+        """The capture with `choice` raised (out of memory, say, while the last graph still
+        held its gradients): the tuning ends with what is measured (the first candidate if
+        nothing is), and the choice is captured next."""
+        self.done = True
+        self._pairs = []
+        self.chosen = self.choice = (choose(self.measured) if self.measured
+                                     else self.candidates[0])
+        return self.chosen
+
+
 def timed_replay(graph: Any) -> tuple[Any, Any]:
     """Replay ``graph`` between two timing events on the current stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

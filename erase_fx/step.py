@@ -365,6 +365,7 @@ class CompiledStep:
         graph = torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()
         choice = entry.tuner.choice if entry.tuner is not None else CaptureChoice()
+        tuning, entry.tuning_capture = entry.tuning_capture, False
         try:
             # NB: our own stream context outside the capture's: if capture_end raises,
             # torch.cuda.graph leaves its stream set; ours puts the caller's back.
@@ -381,6 +382,8 @@ class CompiledStep:
             self._end_module_discovery()
             reason, fix = _describe_failure(error)
             _clear_frames(error)
+            if tuning and not entry.tuner.done:
+                return self._tuning_capture_failed(entry, choice, reason, args, kwargs)
             return self._unsupported(reason, fix, args, kwargs, error)
         current.wait_stream(side)
         self._end_module_discovery()
@@ -417,7 +420,6 @@ class CompiledStep:
         if len(candidates) > 1:
             entry.tuner = CaptureTuner(candidates)
             self.capture_tunings.append(entry.tuner)
-        tuning, entry.tuning_capture = entry.tuning_capture, False
         if tuning:
             self.tuning_captures += 1
             log.info("erase_fx compile_step %s: captured with %s", self._name,
@@ -466,6 +468,17 @@ class CompiledStep:
             return
         entry.drop(warm_up_again=False)
         entry.tuning_capture = True
+
+    def _tuning_capture_failed(self, entry: _Entry, choice: CaptureChoice, reason: str,
+                               args: tuple, kwargs: dict) -> Any:
+        """A candidate's capture raised: the tuning ends with what it measured, this call runs
+        uncaptured, and the next one captures the choice (a failure then is the step's own)."""
+        chosen = entry.tuner.capture_failed()
+        log.warning("erase_fx compile_step %s: capturing with %s failed (%s); the tuning keeps "
+                    "%s", self._name, choice.describe(), reason, chosen.describe())
+        entry.tuning_capture = True
+        self.uncaptured_reason = reason
+        return self.fn(*args, **kwargs)
 
     def _over_bound(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
         self._end_module_discovery()

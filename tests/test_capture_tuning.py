@@ -244,21 +244,26 @@ def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
 
 
 class Asking:
-    """A model call that asks for the trial's lag, as a ``release_lag="auto"`` program does."""
+    """A model call that asks for the trial's lag, as a ``release_lag="auto"`` program does;
+    its capture with a lag in ``fails_with`` raises (as one out of memory would)."""
 
-    def __init__(self, model):
+    def __init__(self, model, fails_with=()):
         self.model = model
         self.lags = []
+        self.fails_with = fails_with
 
     def __call__(self, x, y):
-        self.lags.append(capture_scope.auto_choice(True, 0).lag)
+        lag = capture_scope.auto_choice(True, 0).lag
+        self.lags.append(lag)
+        if lag in self.fails_with:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
         return self.model(x, y)
 
 
-def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True):
+def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True, fails_with=()):
     (model,), (opt,) = (x[:1] for x in erase_training("sgd"))
     (ref_model,), (ref_opt,) = (x[:1] for x in erase_training("sgd"))
-    asking = Asking(model) if ask else model
+    asking = Asking(model, fails_with) if ask else model
     step = compile_step(two_model_step([model], [opt], [asking]))
     reference = two_model_step([ref_model], [ref_opt], [ref_model])
     times = FakeTimes(monkeypatch, ms_by_lag)
@@ -362,6 +367,24 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
     assert [m.choice.lag for m in tuner.measured] == [None, 2, 1]
     assert (step.captures, step.tuning_captures) == (2, 3)
     assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
+    assert_trains_like_eager(models, opts)
+
+
+def test_a_candidate_whose_capture_fails_ends_the_tuning_with_what_was_measured(
+        fake_cuda, monkeypatch, caplog):
+    """Capturing with lag 2 raises: that call runs uncaptured, the tuning keeps None (the only
+    one measured), the next call captures it, and the step stays captured and exact."""
+    step, reference, times, asking, models, opts = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250},
+        fails_with=(2,))
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        train(step, reference, times, 3 + (capture_tuning.TIMED_REPLAYS + 1) + 1 + 4)
+    (tuner,) = step.capture_tunings
+    assert tuner.done and tuner.chosen == C(None)
+    assert [m.choice for m in tuner.measured] == [C(None)]
+    assert "capturing with release_lag=2, side_cuda_streams=None failed" in caplog.text
+    assert (step.captures, step.tuning_captures) == (1, 1)
+    assert step.uncaptured_reason is None and not step.tuning
     assert_trains_like_eager(models, opts)
 
 
