@@ -46,8 +46,10 @@ gradient accumulation over two micro-batches, one optimizer per model,
 11. ``determinism-gpt`` (not in the default list: minutes with ``--steps 400``,
    2,000 steps): erase on gpt:16:384:256:8, whose side streams write each
    block's logits gradient over its logits (`EraseConfig.keep_inplace_writes`),
-   trained twice and once with every segment on the main stream
-   (``overlap=False``: the same kernels), math attention, deterministic mode:
+   trained twice, once with every segment on the main stream
+   (``overlap=False``: the same kernels) and once with its side streams folded
+   onto 2 CUDA streams (``side_cuda_streams=2``: blocks sharing a stream reuse
+   each other's memory under capture), math attention, deterministic mode:
    all bitwise equal;
 12. ``release-lag`` (torchvision, not in the default list): erase with
    ``release_lag="auto"`` and ``side_cuda_streams="auto"`` on a small DGL ViT
@@ -599,8 +601,9 @@ def check_bitwise(report, title, first, other):
 def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     """erase on a transformer chain whose side streams write their logits' gradients in place
     (`EraseConfig.keep_inplace_writes`), in deterministic mode: trained twice, and against the
-    same segments and kernels on the main stream alone (``overlap=False``): all bitwise equal.
-    A race (a stream reading memory another still writes) varies from run to run."""
+    same segments and kernels on the main stream alone (``overlap=False``) and on 2 CUDA
+    streams (``side_cuda_streams=2``): all bitwise equal. A race (a stream reading memory
+    another still writes) varies from run to run."""
     base, batches = config_batches(config, device, steps)
     # NB: deterministic algorithms: the embedding's backward is a scatter-add, whose atomic
     # adds (Inductor's, or aten's) sum in another order on every run (2026-12-02, H200:
@@ -612,7 +615,11 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
         first = train_in_step(base, batches)
         second = train_in_step(base, batches)
         alone = train_in_step(base, batches, options={"overlap": False})
-    for label, other in (("run twice", second), ("against one stream", alone)):
+        # NB: the defaults tune, and on gpt:16 keep a CUDA stream per side stream; folded
+        # onto 2, two blocks share each stream and reuse each other's memory under capture
+        folded = train_in_step(base, batches, options={"side_cuda_streams": 2})
+    for label, other in (("run twice", second), ("against one stream", alone),
+                         ("against its side streams folded onto 2 CUDA streams", folded)):
         check_bitwise(report, f"erase on {config}, compile_step, {len(batches)} steps, {label}",
                       first, other)
 
@@ -642,7 +649,8 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
         gc.collect()
         torch.cuda.empty_cache()
         pools = graph_pools()
-        held = train_in_step(base, batches)
+        held = train_in_step(base, batches, options={"release_lag": None,
+                                                      "side_cuda_streams": None})
     tunings = step.capture_tunings
     measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
     chosen = [m for m in tunings[0].measured if m.choice == tunings[0].chosen] if tunings else []

@@ -133,6 +133,12 @@
 #   bash bench/device_run.sh auto-d    after auto-c (ctr:16384 folded to 2 CUDA streams: 0.97x of stock's
 #                                      step memory at 0.99x time): both options "auto" against the
 #                                      default on ResNet-18, gpt:8, mlp:512 and gpt:16 (~9 min)
+#   bash bench/device_run.sh soft-b    with both tuning options "auto" by default: gpt-soft:16 against
+#                                      gpt:16 (soft-a's rows, without its profile), and the two
+#                                      small chains the defaults were not measured on (~6 min)
+#   bash bench/device_run.sh fold-a    the gpt race stress (2,000 steps, bitwise) on the new defaults,
+#                                      with a run folded onto 2 CUDA streams added, then
+#                                      gpt-soft:16 against gpt:16 (~8 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -250,7 +256,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -570,6 +576,19 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --configs tv-resnet18-dgl:256:32,gpt:8:768:1024:6,mlp:512:1024:2048:6,gpt:16:384:256:8 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
+      | grep -v '^erase_fx: graph' || true ;;
+  fold-a)
+    # the race stress where memory is reused across blocks (folded streams), then soft-a's rows
+    timeout 270 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
+      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-fold-a.log" || true
+    timeout 250 python3 -m bench.run --budget-s 200 --out "$OUT/fold-a.json" --streams '' \
+      --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
+  soft-b)
+    # soft-a's rows on the new defaults (they tune), then the small chains not measured yet
+    timeout 380 python3 -m bench.run --budget-s 330 --out "$OUT/soft-b.json" --streams '' \
+      --configs gpt-soft:16:384:256:8,gpt:16:384:256:8,ctr:1024:512:1024:6,mlp:128:2000:2000:4 \
+      --sweep-configs '' --trials 3 --variants inductor+step,erase+step 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-a)
     # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules

@@ -35,9 +35,10 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/streams=N`` (N side streams; ``/streams=0``: no side stream, the
   forward compiled as one graph), ``/release-lag=N`` (``options=
   {"release_lag": N}``: under capture, memory released N segments after its
-  last reader instead of at the join; ``/release-lag=auto``: ``compile_step``
-  times the candidates and keeps one, `erase_fx.capture_tuning`),
-  ``/side-cuda-streams=N`` and ``=auto`` (`EraseConfig.side_cuda_streams`),
+  last reader instead of at the join; ``/release-lag=none``: at the join;
+  ``=auto``, the default: ``compile_step`` times the candidates and keeps
+  one, `erase_fx.capture_tuning`), ``/side-cuda-streams=N``, ``=none`` and
+  ``=auto`` (`EraseConfig.side_cuda_streams`),
   ``/stages-on-main`` and
   ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
@@ -198,8 +199,8 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            numbered = (r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto)"
-                        r"|side-cuda-streams=([1-9]\d*|auto)")
+            numbered = (r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto|none)"
+                        r"|side-cuda-streams=([1-9]\d*|auto|none)")
             changed: dict[str, str] = {}
             for one in control.split("/"):
                 if one not in CONTROLS and not re.fullmatch(numbered, one):
@@ -292,7 +293,8 @@ def _control_options(control: str) -> dict[str, Any]:
     if control in STEP_CONTROL_OPTIONS or control in PATCH_CONTROLS:
         return {}
     key, value = control.split("=")
-    return {key.replace("-", "_"): value if value == "auto" else int(value)}
+    named = {"auto": "auto", "none": None}
+    return {key.replace("-", "_"): named[value] if value in named else int(value)}
 
 
 def judged_erase(name: str) -> bool:

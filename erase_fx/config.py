@@ -86,30 +86,29 @@ class EraseConfig:
             streams are virtual anyway.
         release_lag: under CUDA graph capture (erase's own graphs, or a whole
             training step captured by `erase_fx.compile_step` or by hand),
-            when the forward's memory is freed. ``None`` (default): nothing
-            before the join at the end of the forward (the behaviour the
-            2,000-step race stress passed). An integer N: a tensor the main
-            stream made and a block's early backward read (the block's
-            activations) is released once the main stream has started N more
-            segments and waited for that block's side stream; tensors read on
-            one stream only are freed after their last reader. Smaller frees
-            sooner, but a main segment that waits for a side stream still
-            busy stalls: on an H200 ``release_lag=1`` passed the 2,000-step
-            race stress, and ran 1.04-1.07x of stock's step on the small
-            chains where the default runs 0.80-0.86x, for little memory
+            when the forward's memory is freed. ``None``: nothing before the
+            join at the end of the forward (the behaviour the 2,000-step race
+            stress passed). An integer N: a tensor the main stream made and a
+            block's early backward read (the block's activations) is released
+            once the main stream has started N more segments and waited for
+            that block's side stream; tensors read on one stream only are
+            freed after their last reader. Smaller frees sooner, but a main
+            segment that waits for a side stream still busy stalls: on an
+            H200 ``release_lag=1`` passed the 2,000-step race stress, and ran
+            1.04-1.07x of stock's step on the small chains where None runs
+            0.80-0.86x, for little memory
             (``bench/results/2026-12-01-b-NOTES.md``); ``release_lag=2`` took
             the DGL ViT from 1.34x to 0.88x of stock's step memory for 1% of
             time, and slowed DGL ResNet-18 by 12% for nothing
-            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). ``"auto"``:
-            `erase_fx.compile_step` chooses: it captures the step once per
-            candidate (None, 2, 1), times a few replays of each (real
-            training steps) and keeps the lag whose graph holds the least
-            memory among those within 2% of the fastest
+            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). ``"auto"``
+            (default): `erase_fx.compile_step` chooses: it captures the step
+            once per candidate (None, 2, 1), times a few replays of each
+            (real training steps) and keeps the lag whose graph holds the
+            least memory among those within 2% of the fastest
             (`erase_fx.capture_tuning`); elsewhere (erase's own graphs, a
             capture by hand) ``"auto"`` acts as None. Outside capture the
             caching allocator frees every tensor as soon as its last reader is
-            done, whatever this says (see
-            `erase_fx.emit.release`).
+            done, whatever this says (see `erase_fx.emit.release`).
         side_cuda_streams: how many CUDA streams run the ``streams`` side
             streams: side stream ``s`` runs on CUDA stream
             ``1 + (s - 1) % side_cuda_streams``, in the same launch order and
@@ -117,14 +116,15 @@ class EraseConfig:
             after the other (nothing is recompiled; folding only adds order).
             Under CUDA graph capture they then share the stream's memory
             and its cuBLAS workspace (33 MiB each): each CUDA stream keeps
-            its own pool, and the pools add up. ``None`` (default): one CUDA
-            stream per side stream. ``"auto"``: `erase_fx.compile_step`
-            times 2 against all (with ``release_lag="auto"`` too, every pair
-            of candidates worth trying; `erase_fx.capture_tuning`), and
-            elsewhere it is None. Not yet measured on a GPU; compiled with
-            ``streams=2`` instead, ctr:16384, gpt:16 and mlp:512 ran at
-            1.00-1.09x of the 4-stream time for 0.60-0.69x of its step
-            memory (``bench/results/2026-12-02-c-NOTES.md``).
+            its own pool, and the pools add up. ``None``: one CUDA stream per
+            side stream. ``"auto"`` (default): `erase_fx.compile_step` times
+            2 against all (with ``release_lag="auto"``, every pair of
+            candidates worth trying; `erase_fx.capture_tuning`), and
+            elsewhere it is None. On an H200 it folded ctr:16384 and gpt:8 to
+            2 (step memory 1.57x -> 0.97x and 1.04x -> 0.75x of stock's, at
+            0.99x and 0.98x of its time) and kept all four on DGL ResNet-18,
+            mlp:512 and gpt:16, where 2 was 3-6% slower
+            (``bench/results/2026-12-03-e-NOTES.md``).
         stages_on_side: run each early block's own stage (the forward whose
             activations its early backward reads) on the block's side stream
             too, before its head, so those activations are made, read and
@@ -223,8 +223,8 @@ class EraseConfig:
     cudagraphs: bool | None = None
     dump_dir: str | None = None
     overlap: bool = True
-    release_lag: int | str | None = None
-    side_cuda_streams: int | str | None = None
+    release_lag: int | str | None = "auto"
+    side_cuda_streams: int | str | None = "auto"
     stages_on_side: bool | None = None
     copy_input_values: bool = True
     recompute_boundary_values: bool = True

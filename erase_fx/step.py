@@ -35,10 +35,12 @@ warmed up ─► CAPTURE into a private memory pool (executes nothing), record t
       once: that is this call's step
 captured, guards hold ─► REPLAY: copy tensor arguments into the static buffers, replay, copy
       back arguments the step mutates, return clones of the outputs
-captured with a program built with ``release_lag`` or ``side_cuda_streams="auto"`` ─► TUNE:
-      the replays after the first are timed; after a few, the graph is dropped and the next
-      call captures the next candidate (not counted toward ``max_captures``), until the chosen
-      one is in hand (`erase_fx.capture_tuning`); every call is still one real step
+captured with an erase program whose ``release_lag`` or ``side_cuda_streams`` is ``"auto"``
+      (the defaults) ─► TUNE: the replays after the first are timed; after a few, the graph is
+      dropped and the next call captures the next candidate (not counted toward
+      ``max_captures``), until the chosen one is in hand (`erase_fx.capture_tuning`); every
+      call is still one real step; a candidate whose capture fails ends the tuning with what
+      was measured
 ``max_captures`` reached, argument not capturable ─► UNCAPTURED (run as written; reason logged once)
 capture failed (a host sync, a non-capturable optimizer) ─► restore the Python state the capture
       touched, then UNCAPTURED from then on (``on_unsupported="fallback"``) or raise

@@ -97,6 +97,9 @@ def test_erase_options_of_the_controls():
         "side_cuda_streams"] == "auto"
     assert Variant.parse("erase+step/side-cuda-streams=2").erase_options[
         "side_cuda_streams"] == 2
+    both_none = Variant.parse("erase+step/release-lag=none/side-cuda-streams=none")
+    assert both_none.erase_options == {"inner": "inductor", "cudagraphs": False,
+                                       "release_lag": None, "side_cuda_streams": None}
 
 
 def test_controls_chain_and_may_not_set_one_option_twice():
