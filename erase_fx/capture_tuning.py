@@ -17,7 +17,7 @@ reuse, so two choices decide a captured step's memory and neither is free:
 
 Neither changes a kernel, so `erase_fx.compile_step` can try each candidate
 without compiling anything: for a step whose programs were built with
-``"auto"`` for either, it captures the step once per candidate
+``"auto"`` for either (the defaults), it captures the step once per candidate
 `CaptureChoice`, times a few replays of each (every replay is one of the
 caller's real training steps: nothing is run for nothing), and keeps the
 choice whose graph holds the least memory among those within
@@ -32,7 +32,10 @@ The protocol (one `CaptureTuner` per argument signature):
    the next candidate, or, once all are measured, the chosen one (``KEEP``
    when it is the graph in hand). A candidate that frees no sooner and folds
    no less than one already measured too slow is skipped: it makes the
-   streams wait no less, so it is assumed no faster.
+   streams wait no less, so it is assumed no faster;
+4. a candidate whose capture raises (out of memory: while it is captured
+   the last graph's gradients are still alive) ends the tuning with what
+   was measured (`capture_failed`), and the choice is captured next.
 
 `choose` and `next_candidate` are pure; the tests check them, and the
 state machine through a fake CUDA.
@@ -178,7 +181,6 @@ class CaptureTuner:
                 return KEEP
         self.choice = choice
         return choice
-
 
     def capture_failed(self) -> CaptureChoice:
         """The capture with `choice` raised (out of memory, say, while the last graph still
