@@ -52,7 +52,10 @@ to the main stream (`_return_shared_input_values_to_main`); an early node
 that the main stream or another block reads (`merge_common_subexpressions`
 makes a block's ``t(w)`` the forward's, as the stock partitioner's CSE
 would) moves to the main stream (and from there to the stage of the first
-block that needs it). So the main stream
+block that needs it), but for a block's copy of a value made from the inputs
+alone that its loss tail reads (`copy_input_values_per_block` gives the
+tail, ``mul(soft_targets, log_softmax)``, the block's copy): the tail joins
+the block (`_loss_tail_copies`). So the main stream
 waits for a block only at the join, and a block's head and backward never
 wait for another block's.
 
@@ -77,7 +80,7 @@ from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
     clone_module,
     draws_random_numbers,
-    output_descriptors,
+    returned_to_the_user,
     tensor_bytes,
     val_of,
 )
@@ -108,8 +111,8 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
     for node in nodes:
         meta = get_meta(node)
         owner[node] = meta.block if meta is not None and meta.role is Role.EARLY_BACKWARD else None
-    _move_shared_early_nodes_to_main(nodes, owner)
     from_inputs = made_from_inputs(nodes)
+    _move_shared_early_nodes_to_main(nodes, owner, _loss_tail_copies(nodes, owner, from_inputs))
     matrix_work = {n for n in nodes if node_flops(n) > 0}
     _pull_heads_into_blocks(nodes, owner, from_inputs, matrix_work)
     _return_shared_input_values_to_main(nodes, owner, from_inputs, matrix_work)
@@ -164,22 +167,40 @@ def stages_go_to_side_streams(cfg: EraseConfig, num_blocks: int) -> bool:
     return cfg.stages_on_side
 
 
-def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict) -> None:
-    """An early node read by the main stream or another block moves to main, with its inputs."""
+def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict,
+                                     tail_reads: set[tuple[fx.Node, fx.Node]]) -> None:
+    """An early node read by the main stream or another block moves to main, with its inputs;
+    but for the reads in ``tail_reads`` (`_loss_tail_copies`)."""
     # NB: reverse order, so that a node moved to the main stream moves its own
     # inputs too when they are visited later.
     for node in reversed(nodes):
         if node.op == "output":
             continue
         for arg in node.all_input_nodes:
-            if owner[arg] is not None and owner[arg] != owner[node]:
+            if (owner[arg] is not None and owner[arg] != owner[node]
+                    and (arg, node) not in tail_reads):
                 owner[arg] = None
+
+
+def _loss_tail_copies(nodes: list[fx.Node], owner: dict,
+                      from_inputs: set[fx.Node]) -> set[tuple[fx.Node, fx.Node]]:
+    """(early value, forward reader): a block's copy of a value made from the inputs alone
+    (`copy_input_values_per_block`: soft targets) read by a forward node that only feeds
+    the loss sum (the block's loss tail, ``mul(soft_targets, log_softmax)``). The copy stays
+    in its block: its reader joins the block (`_pull_loss_tails_into_blocks`), or else
+    runs after the join."""
+    returned = returned_to_the_user(nodes[-1].graph)
+    if returned is None:
+        return set()
+    feeds_output_only = _feeds_output_only(nodes, owner, returned)
+    return {(arg, node) for node in feeds_output_only for arg in node.all_input_nodes
+            if owner[arg] is not None and is_early(arg) and arg in from_inputs}
 
 
 def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict, from_inputs: set[fx.Node],
                             matrix_work: set[fx.Node]) -> None:
     """Forward nodes only one block needs (its head and local loss) join that block."""
-    returned = _returned_to_the_user(nodes[-1].graph)
+    returned = returned_to_the_user(nodes[-1].graph)
     if returned is None:
         return  # NB: without output descriptors, nothing moves: the safe schedule
     feeds_output_only = _feeds_output_only(nodes, owner, returned)
@@ -206,8 +227,13 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
     join the early block's head (the last block's loss only feeds the loss sum), and the
     last block's loss then reads them across streams after the join, held there until
     it. Made on the main stream they are read by the block instead, and the last block's
-    loss runs before the join. The block's launch point moves past them only where no
-    node with matrix work lies in between (the block never waits for the next stage).
+    loss runs before the join. (With `copy_input_values_per_block` the early block's
+    loss reads its own copy, and what lands in its head is the original's chain, made
+    for the last block's loss alone right before it, that joined as a loss tail through
+    a small label mask the block's copy reads too.) The block's launch point moves to
+    the last of them the block still reads (the mask, not the chain made after the next
+    stage's matrix product) only where no node with matrix work lies in between (the
+    block never waits for the next stage).
     """
     position = {node: i for i, node in enumerate(nodes)}
     main_matrix_work = _main_positions(matrix_work, owner, position)
@@ -223,11 +249,14 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
             chain += [a for a in member.all_input_nodes
                       if owner.get(a) == block and a not in chain and not is_early(a)]
         before = launch_point.get(block, -1)
-        after = max([before] + [position[n] for n in chain])
+        moved = dict(owner)
+        moved.update((member, None) for member in chain)
+        # NB: the block reads the members it read (not those only the chain and main nodes
+        # read: `copy_input_values_per_block` makes the value right before its main reader)
+        after = _launch_points(nodes, moved, position).get(block, -1)
         if any(before < at <= after for at in main_matrix_work):
             continue
-        for member in chain:
-            owner[member] = None
+        owner.update(moved)
         launch_point = _launch_points(nodes, owner, position)  # NB: the block reads them now
 
 
@@ -385,17 +414,6 @@ def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict, stage: set[
                     stage.add(node)
                 else:
                     stage.discard(node)
-
-
-def _returned_to_the_user(graph: fx.Graph) -> set[fx.Node] | None:
-    """The output values that are forward returns, not saved for the backward (None: unknown)."""
-    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
-
-    described = output_descriptors(graph)
-    if described is None:
-        return None
-    return {v for v, d in described
-            if isinstance(v, fx.Node) and not isinstance(d, SavedForBackwardsAOTOutput)}
 
 
 def check_stream_assignment(gm: fx.GraphModule) -> None:

@@ -19,8 +19,15 @@ merge and is not shared.) Each (block, piece) whose
 early nodes read the value gets its own copy of it and of the large values it
 is made from, placed right before its first reader there and marked as that
 block's; the small values they read (the labels, masks made from them) stay
-shared, so the block reads what it read before and launches where it did. The
-original keeps its other readers and is dropped when none is left.
+shared, so the block reads what it read before and launches where it did.
+The block's **loss tail** reads its copy too (`loss_tails`: a forward node
+that only feeds the loss the forward returns and whose other inputs, values
+made from the inputs aside, the early nodes of that one block read:
+``mul(soft_targets, log_softmax)``, which `assign_streams` runs in the
+block), and counts as the block's reader here. The original keeps its other
+readers (the last block's loss) and is dropped when none is left; when some
+are left it moves, with the values of its chain nothing else reads, to right
+before its first reader.
 
 Why: a value several blocks read is made by one of them (or the main stream)
 and read on other streams, so under CUDA graph capture it lives until the join
@@ -29,16 +36,23 @@ every block. Made by each block, it is made, read and freed on the block's own
 stream, and with Inductor its elementwise chain can fuse into the block's
 kernels that read it instead of being written out. The cost is the chain run once
 per block: elementwise work on small inputs (that is what the size rule
-admits), next to a block's matrix work.
+admits), next to a block's matrix work. The loss tail reads the block's copy
+for the same reason: reading the original, it kept the original alive on the
+stream that made it (a block's stage, with `stages_on_side`) until the join
+while every other block's loss read it from there (gpt-soft:16:384:256:8:
+1.37x of stock Inductor's step memory, on an H200). The original left for
+the last block's loss is made right before that loss, on the stream that
+reads it, so Inductor can fuse its chain into the loss's kernel.
 
 ``EraseConfig.copy_input_values=False`` turns the pass off (the input comes
 back unchanged).
 
 Invariants out (`check_input_values_per_block`): a new module (the input
 itself when there is nothing to copy: ``modified`` False); no value this
-pass would copy is left (each such value is read by the early nodes of one
-(block, piece) at most, and only by them); each copy is an early node of the
-block whose nodes read it, and the large values it reads are that block's.
+pass would copy is left (each such value is read by the early nodes and the
+loss tail of one (block, piece) at most, and only by them); each copy is an
+early node of the block whose nodes (early, or its loss tail) read it, and
+the large values it reads are that block's.
 """
 from __future__ import annotations
 
@@ -57,6 +71,7 @@ from erase_fx.passes.graph import (
     is_view,
     output_node,
     rebuild_in_order,
+    returned_to_the_user,
     returned_values,
     tensor_bytes,
     topo_positions,
@@ -108,46 +123,59 @@ class _Analysis:
         returned: the nodes the forward returns, or views of them (saved for the backward):
             they live past the join whoever reads them, so they are never copied and a
             chain reads them as it reads graph inputs.
+        tails: the forward nodes of a block's loss tail (`loss_tails`), by the (block,
+            piece) whose early nodes read their other inputs.
     """
 
     nodes: list[fx.Node]
     position: dict[fx.Node, int]
     from_inputs: set[fx.Node]
     returned: set[fx.Node]
+    tails: dict[fx.Node, Owner]
     #: `holds_large_from_small`'s answers, by node (a copy asks again for each block)
     large: dict[fx.Node, bool] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: fx.Graph) -> _Analysis:
         nodes = list(graph.nodes)
-        return cls(nodes, topo_positions(graph), made_from_inputs(nodes), returned_values(graph))
+        from_inputs = made_from_inputs(nodes)
+        return cls(nodes, topo_positions(graph), from_inputs, returned_values(graph),
+                   loss_tails(graph, nodes, from_inputs))
 
     def is_source(self, node: fx.Node) -> bool:
         """A node a copy reads as it is, never copies: a graph input or a returned value."""
         return node.op in ("placeholder", "get_attr") or node in self.returned
 
     def values_to_copy(self) -> list[fx.Node]:
-        """In graph order: the large input-only values early nodes read that are not theirs
-        alone."""
+        """In graph order: the large input-only values early nodes (or a block's loss tail)
+        read that are not theirs alone."""
         found = []
         for node in self.nodes:
             if node not in self.from_inputs or node in self.returned:
                 continue
-            readers = self.early_readers(node)
+            readers = self.block_readers(node)
             if not readers:
                 continue
-            alone = len(readers) == 1 and all(is_early(u) for u in node.users)
+            alone = len(readers) == 1 and all(self.owner_of(u) for u in node.users)
             if not alone and self.holds_large_from_small(node):
                 found.append(node)
         return found
 
-    def early_readers(self, node: fx.Node) -> dict[Owner, list[fx.Node]]:
-        """The early nodes that read ``node``, by (block, piece), each list in graph order."""
+    def owner_of(self, node: fx.Node) -> Owner | None:
+        """The (block, piece) an early node or a loss tail's node is of; None for others."""
+        if is_early(node):
+            meta = get_meta(node)
+            return meta.block, meta.piece
+        return self.tails.get(node)
+
+    def block_readers(self, node: fx.Node) -> dict[Owner, list[fx.Node]]:
+        """The early nodes and loss tails' nodes that read ``node``, by (block, piece), each
+        list in graph order."""
         readers: dict[Owner, list[fx.Node]] = {}
         for user in node.users:  # NB: users in the order they were added, not the graph's
-            if is_early(user):
-                meta = get_meta(user)
-                readers.setdefault((meta.block, meta.piece), []).append(user)
+            owner = self.owner_of(user)
+            if owner is not None:
+                readers.setdefault(owner, []).append(user)
         return {owner: sorted(users, key=self.position.__getitem__)
                 for owner, users in readers.items()}
 
@@ -203,7 +231,7 @@ def copy_input_values_per_block(gm: fx.GraphModule,
         return unchanged
     made: dict[Owner, dict[fx.Node, fx.Node]] = {}  # per owner: original -> its copy
     origin: dict[fx.Node, fx.Node] = {}  # copy -> original
-    readers = {node: analysis.early_readers(node) for node in to_copy}
+    readers = {node: analysis.block_readers(node) for node in to_copy}
     for node in to_copy:
         for owner in readers[node]:
             copy = _copy_chain(analysis, graph, node, owner, made=made.setdefault(owner, {}),
@@ -220,7 +248,8 @@ def copy_input_values_per_block(gm: fx.GraphModule,
                     node.replace_input_with(arg, origin[arg])
     _erase_unread(graph, analysis.from_inputs | set(origin))
     copies, sizes = _listed(to_copy, made, set(graph.nodes))
-    new_gm = rebuild_in_order(new_gm, _copies_before_readers(graph, set(origin)))
+    late = set(origin) | _originals_left(graph, to_copy, analysis)
+    new_gm = rebuild_in_order(new_gm, _made_before_readers(graph, late))
     new_gm.graph.lint()
     return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies, sizes))
 
@@ -237,6 +266,35 @@ def made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
                 and _copyable(node) and node_flops(node) == 0):
             found.add(node)
     return found
+
+
+def loss_tails(graph: fx.Graph, nodes: list[fx.Node],
+               from_inputs: set[fx.Node]) -> dict[fx.Node, Owner]:
+    """The forward nodes of a block's loss tail, by the (block, piece) they are of: pure
+    nodes that only feed what the forward returns to the user (the loss sum), whose
+    inputs, graph inputs and values made from them alone aside, are all read by the early
+    nodes of one (block, piece) (``mul(soft_targets, log_softmax)``: the block's backward
+    reads its log-softmax). `assign_streams` runs such a node in its block
+    (`_pull_loss_tails_into_blocks`). Without output descriptors, none."""
+    returned = returned_to_the_user(graph)
+    if returned is None:
+        return {}
+    feeds: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op == "call_function" and not is_early(node) and node.users and all(
+                (user.op == "output" and node in returned) or user in feeds
+                for user in node.users):
+            feeds.add(node)
+    tails: dict[fx.Node, Owner] = {}
+    for node in feeds:
+        computed = [a for a in node.all_input_nodes
+                    if a.op not in ("placeholder", "get_attr") and a not in from_inputs]
+        owners = {(get_meta(u).block, get_meta(u).piece)
+                  for a in computed for u in a.users if is_early(u)}
+        if (computed and len(owners) == 1 and not node.is_impure()
+                and all(any(is_early(u) for u in a.users) for a in computed)):
+            tails[node] = owners.pop()
+    return tails
 
 
 def _copyable(node: fx.Node) -> bool:
@@ -311,9 +369,23 @@ def _listed(to_copy: list[fx.Node], made: dict[Owner, dict[fx.Node, fx.Node]],
     return copies, sizes
 
 
-def _copies_before_readers(graph: fx.Graph, copies: set[fx.Node]) -> list[fx.Node]:
-    """The graph's order with each copy moved to right before its first reader (its inputs
-    first): as late as it can be made, so it lives no longer than the block needs it.
+def _originals_left(graph: fx.Graph, to_copy: list[fx.Node],
+                    analysis: _Analysis) -> set[fx.Node]:
+    """The copied values still read (by nodes of no block: the last block's loss) and the
+    values of their chains nothing else reads: made before their first reader, they are
+    not held through the forward, and Inductor can fuse them into that reader."""
+    left = {node for node in to_copy if node.users}
+    for node in reversed(list(graph.nodes)):
+        if (node not in left and node in analysis.from_inputs and not analysis.is_source(node)
+                and node.users and all(user in left for user in node.users)):
+            left.add(node)
+    return left
+
+
+def _made_before_readers(graph: fx.Graph, late: set[fx.Node]) -> list[fx.Node]:
+    """The graph's order with each node of ``late`` (the copies, the originals left) moved to
+    right before its first reader (its inputs of ``late`` first): as late as it can be made,
+    so it lives no longer than its readers need it.
 
     NB: the originals a copy reads come before that reader: they are in the chain of the
     value the reader read, made before it."""
@@ -322,13 +394,13 @@ def _copies_before_readers(graph: fx.Graph, copies: set[fx.Node]) -> list[fx.Nod
 
     def place(node: fx.Node) -> None:
         for arg in node.all_input_nodes:
-            if arg in copies and arg not in placed:
+            if arg in late and arg not in placed:
                 place(arg)
         order.append(node)
         placed.add(node)
 
     for node in graph.nodes:
-        if node not in copies:
+        if node not in late or not node.users:
             place(node)
     return order
 
@@ -348,8 +420,7 @@ def check_input_values_per_block(result: PassResult[InputValueCopies]) -> None:
         meta = get_meta(copy)
         owner = (meta.block, meta.piece)
         for user in copy.users:
-            user_meta = get_meta(user)
-            if not is_early(user) or (user_meta.block, user_meta.piece) != owner:
+            if analysis.owner_of(user) != owner:
                 raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {meta.block} "
                                           f"is read by {user.name}, not a node of its block")
         for arg in copy.all_input_nodes:

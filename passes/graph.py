@@ -132,6 +132,17 @@ def is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+def returned_to_the_user(graph: fx.Graph) -> set[fx.Node] | None:
+    """The output values that are forward returns, not saved for the backward (None: unknown)."""
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    described = output_descriptors(graph)
+    if described is None:
+        return None
+    return {v for v, d in described
+            if isinstance(v, fx.Node) and not isinstance(d, SavedForBackwardsAOTOutput)}
+
+
 def returned_values(graph: fx.Graph) -> set[fx.Node]:
     """The nodes the graph returns, and the nodes they are views of (a forward's outputs and
     the values it saves for the backward: they live past its end whoever reads them)."""

@@ -215,22 +215,26 @@ class LateSharedSoftTargets(torch.nn.Module):
         return loss0 - (soft * torch.log_softmax(self.head1(h1), -1)).sum(-1).mean()
 
 
-def test_shared_soft_targets_stay_in_the_block_rather_than_delay_it(monkeypatch):
+@pytest.mark.parametrize("copy_input_values", [True, False])
+def test_shared_soft_targets_never_delay_the_block(copy_input_values, monkeypatch):
     """Soft targets the early block and the last block's loss both read, made after the next
-    stage's product: made on the main stream they would make the block wait for that
-    product, so they stay in the block's head; were the product not matrix work, they would
-    go to the main stream and the block would launch after it."""
+    stage's product. With `copy_input_values_per_block` the block's loss and backward read
+    its own copy, and the original is made for the last block's loss alone: the block
+    launches before that product, matrix work or not. Without copies, made on the main
+    stream they would make the block wait for that product, so they stay in the block's
+    head; were the product not matrix work, they would go to the main stream and the block
+    would launch after it."""
     def stages():
         torch.manual_seed(0)
         return Stages(LateSharedSoftTargets(), chain_inputs(batch=64, classes=8192),
-                      EraseConfig(inner="aot_eager"))
+                      EraseConfig(inner="aot_eager", copy_input_values=copy_input_values))
 
     block, product = _block_launch_index(stages())
     assert block < product
     module = importlib.import_module("erase_fx.passes.assign_streams")
     monkeypatch.setattr(module, "node_flops", lambda node: 0)
     block, product = _block_launch_index(stages())
-    assert block > product
+    assert (block < product) if copy_input_values else (block > product)
 
 
 def _stage_and_block_nodes(gm):

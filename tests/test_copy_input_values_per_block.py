@@ -14,9 +14,11 @@ from erase_fx.passes import get_meta, pipeline
 from erase_fx.passes.copy_input_values_per_block import (
     MIN_BYTES,
     check_input_values_per_block,
+    loss_tails,
+    made_from_inputs,
 )
 from erase_fx.passes.graph import returned_values, val_of
-from erase_fx.passes.node_meta import NodeMeta, Role, set_meta
+from erase_fx.passes.node_meta import NodeMeta, Role, is_early, set_meta
 from erase_fx.report_text import format_report
 from graphs import Chain, SoftLabelChain, Stages, assert_same_grads, chain_inputs
 
@@ -179,6 +181,90 @@ def test_the_report_and_explain_say_what_each_block_copies():
         batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor",
                                                       "copy_input_values": False})
     assert shared.input_copies == 0 and "own copy" not in format_report(shared)
+
+
+def large_input_values_read_across_streams(gm) -> list[tuple[str, str]]:
+    """(producer, reader) of every value of MIN_BYTES or more made from the inputs alone
+    that any node (a block's loss tail, the last block's loss) reads from another stream,
+    but those the forward returns."""
+    returned = returned_values(gm.graph)
+    nodes = list(gm.graph.nodes)
+    from_inputs = made_from_inputs(nodes)
+    found = []
+    for node in nodes:
+        if node.op in ("output", "placeholder"):
+            continue
+        for arg in node.all_input_nodes:
+            value = val_of(arg)
+            if (arg in from_inputs and arg not in returned
+                    and get_meta(arg).stream != get_meta(node).stream
+                    and isinstance(value, torch.Tensor)
+                    and value.numel() * value.element_size() >= MIN_BYTES):
+                found.append((arg.name, node.name))
+    return found
+
+
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_each_blocks_loss_tail_reads_its_own_copy(stages_on_side):
+    """Five blocks on four side streams: each early block's loss (``mul(soft, logsm)``, a
+    forward node `assign_streams` runs in the block) reads the block's own copy of the soft
+    targets, as its backward does; the original is read by the last block's loss alone, on
+    the main stream, and made right before it (Inductor fuses it there), so no stream reads
+    the soft targets from another (held until the join under CUDA graph capture)."""
+    torch.manual_seed(0)
+    stages = Stages(SoftLabelChain(5, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
+                    EraseConfig(inner="inductor", streams=4, stages_on_side=stages_on_side),
+                    inner="inductor")
+    ((original, made),) = stages.copied.artifact.copies.items()
+    assert len(made) == 4
+    assert large_input_values_read_across_streams(stages.assigned.gm) == []
+    nodes = list(stages.copied.gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    for name in made:  # the block's loss tail and its backward read its copy, in its block
+        block = get_meta(by_name[name]).block
+        forward = [u for u in by_name[name].users if not is_early(u)]
+        assert [u.target for u in forward] == [torch.ops.aten.mul.Tensor], forward
+        assigned = {n.name: n for n in stages.assigned.gm.graph.nodes}
+        assert {get_meta(assigned[u.name]).block for u in forward} == {block}
+    (reader,) = by_name[original].users
+    assert nodes.index(reader) == nodes.index(by_name[original]) + 1
+    assigned = {n.name: n for n in stages.assigned.gm.graph.nodes}
+    assert get_meta(assigned[original]).stream == get_meta(assigned[reader.name]).stream == 0
+
+
+def test_a_loss_tail_is_a_forward_node_that_feeds_the_loss_sum_only():
+    """`loss_tails`: the soft-label product of each early block's loss is its block's (the
+    block's backward reads its log-softmax), the last block's is no block's."""
+    torch.manual_seed(0)
+    stages = Stages(SoftLabelChain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
+                    EraseConfig(inner="inductor"), inner="inductor")
+    graph = stages.fw.graph
+    nodes = list(graph.nodes)
+    tails = loss_tails(graph, nodes, made_from_inputs(nodes))
+    losses = [n for n in nodes
+              if n.target is torch.ops.aten.mul.Tensor and not is_early(n)
+              and val_of(n).shape == (BATCH, CLASSES)
+              and any(u.target is torch.ops.aten.sum.dim_IntList for u in n.users)]
+    assert len(losses) == 3, losses
+    assert [tails.get(n) for n in losses] == [(0, None), (1, None), None]
+
+
+@pytest.mark.parametrize("stages_on_side", [False, True])
+def test_gradients_match_eager_on_fresh_inputs_with_loss_tails_on_copies(stages_on_side):
+    """Five blocks on four side streams, compiled once: every parameter's gradient as eager's
+    on inputs the compilation never saw."""
+    torch.manual_seed(3)
+    model = SoftLabelChain(5, classes=CLASSES)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="erase", options={
+        "inner": "inductor", "on_error": "raise", "streams": 4,
+        "stages_on_side": stages_on_side})
+    compiled(*chain_inputs(batch=BATCH, classes=CLASSES)).backward()
+    model.zero_grad(set_to_none=True)
+    inputs = chain_inputs(batch=BATCH, classes=CLASSES)
+    compiled(*inputs).backward()
+    eager(*inputs).backward()
+    assert_same_grads(eager, model, rtol=1e-4, atol=1e-5)
 
 
 # -- hand-built forwards: the cases CSE can make ------------------------------------------
