@@ -80,6 +80,7 @@ from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
     clone_module,
     draws_random_numbers,
+    feeds_returns_only,
     returned_to_the_user,
     tensor_bytes,
     val_of,
@@ -263,14 +264,7 @@ def _return_shared_input_values_to_main(nodes: list[fx.Node], owner: dict,
 def _feeds_output_only(nodes: list[fx.Node], owner: dict, returned: set[fx.Node]) -> set[fx.Node]:
     """Main nodes that only feed what the forward returns to the user (the loss sum), not
     tensors saved for the backward: they may run after the join."""
-    feeds: set[fx.Node] = set()
-    for node in reversed(nodes):
-        if node.op == "call_function" and owner[node] is None and node.users and all(
-            (user.op == "output" and node in returned) or user in feeds
-            for user in node.users
-        ):
-            feeds.add(node)
-    return feeds
+    return feeds_returns_only(nodes, returned, lambda node: owner[node] is None)
 
 
 def _pull_loss_tails_into_blocks(nodes: list[fx.Node], owner: dict,

@@ -68,6 +68,7 @@ from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
     clone_module,
     draws_random_numbers,
+    feeds_returns_only,
     is_view,
     output_node,
     rebuild_in_order,
@@ -279,14 +280,8 @@ def loss_tails(graph: fx.Graph, nodes: list[fx.Node],
     returned = returned_to_the_user(graph)
     if returned is None:
         return {}
-    feeds: set[fx.Node] = set()
-    for node in reversed(nodes):
-        if node.op == "call_function" and not is_early(node) and node.users and all(
-                (user.op == "output" and node in returned) or user in feeds
-                for user in node.users):
-            feeds.add(node)
     tails: dict[fx.Node, Owner] = {}
-    for node in feeds:
+    for node in feeds_returns_only(nodes, returned, lambda node: not is_early(node)):
         computed = [a for a in node.all_input_nodes
                     if a.op not in ("placeholder", "get_attr") and a not in from_inputs]
         owners = {(get_meta(u).block, get_meta(u).piece)

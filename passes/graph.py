@@ -143,6 +143,20 @@ def returned_to_the_user(graph: fx.Graph) -> set[fx.Node] | None:
             if isinstance(v, fx.Node) and not isinstance(d, SavedForBackwardsAOTOutput)}
 
 
+def feeds_returns_only(nodes: list[fx.Node], returned: set[fx.Node],
+                       eligible: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The ``eligible`` call_function nodes that only feed what the graph returns to the user
+    (``returned``, `returned_to_the_user`: the loss sum), directly or through such nodes,
+    not tensors saved for the backward."""
+    feeds: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op == "call_function" and eligible(node) and node.users and all(
+                (user.op == "output" and node in returned) or user in feeds
+                for user in node.users):
+            feeds.add(node)
+    return feeds
+
+
 def returned_values(graph: fx.Graph) -> set[fx.Node]:
     """The nodes the graph returns, and the nodes they are views of (a forward's outputs and
     the values it saves for the backward: they live past its end whoever reads them)."""
