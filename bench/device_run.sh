@@ -135,10 +135,14 @@
 #                                      default on ResNet-18, gpt:8, mlp:512 and gpt:16 (~9 min)
 #   bash bench/device_run.sh soft-b    with both tuning options "auto" by default: gpt-soft:16 against
 #                                      gpt:16 (soft-a's rows, without its profile), and the two
-#                                      small chains the defaults were not measured on (~6 min)
+#                                      small chains the defaults were not measured on (~6 min,
+#                                      not yet run)
 #   bash bench/device_run.sh fold-a    the gpt race stress (2,000 steps, bitwise) on the new defaults,
 #                                      with a run folded onto 2 CUDA streams added, then
-#                                      gpt-soft:16 against gpt:16 (~8 min)
+#                                      gpt-soft:16 against gpt:16 (~8 min, ran 2026-12-03)
+#   bash bench/device_run.sh soft-c    after the gpt-soft fix (each block's loss reads its own copy of
+#                                      the soft targets; CPU only so far): gpt-soft:16 against
+#                                      gpt:16, then gpt-soft:16's streams profiled (~7 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -256,7 +260,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a|soft-c) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -577,6 +581,14 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
+  soft-c)
+    # fold-a measured gpt-soft:16 at 1.37x of stock's step memory (gpt:16 1.00x) before the fix
+    timeout 300 python3 -m bench.run --budget-s 240 --out "$OUT/soft-c.json" --streams '' \
+      --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true
+    timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt-soft:16:384:256:8 \
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/soft-c-memprof.md" \
+      || true ;;
   fold-a)
     # the race stress where memory is reused across blocks (folded streams), then soft-a's rows
     timeout 270 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
