@@ -93,7 +93,8 @@ Dynamo and the module hook: Dynamo can guard on torch's global module hooks
 (their number and keys: registering a new hook around each call recompiled
 a compiled ``nn.Sequential`` at every call, on torch 2.13). The hook is
 therefore installed once, from the first warm-up to the end of the first
-capture attempt, and then removed for good; later warm-ups find modules
+capture attempt (of the tuning of the ``"auto"`` options, when the first
+capture starts one), and then removed for good; later warm-ups find modules
 through the step's code and the optimizers' parameters. A signature warmed
 up while the hook was installed gets one more warm-up after it is gone, so
 that a recompile this may cause never happens under capture; the first
@@ -388,7 +389,11 @@ class CompiledStep:
                 return self._tuning_capture_failed(entry, choice, reason, args, kwargs)
             return self._unsupported(reason, fix, args, kwargs, error)
         current.wait_stream(side)
-        self._end_module_discovery()
+        candidates = candidates_for(trial) if entry.tuner is None else ()
+        if len(candidates) <= 1 and (entry.tuner is None or entry.tuner.done):
+            # NB: a tuning keeps the module hook to its end: removing it changes Dynamo's
+            # guards, and the next candidate's capture would need a warm-up that recompiles
+            self._end_module_discovery()
         problem = before.changed_by_capture(self._known)
         self._known.stepped = []
         rebound = [b for b in self._known.bindings if not b.holds()]
@@ -397,6 +402,7 @@ class CompiledStep:
                        "attribute it reads) in Python: a replay would not",
                        "keep such state out of the step, or in a tensor updated in place")
         if problem is not None:
+            self._end_module_discovery()
             graph = out = None
             before.restore()
             for binding in rebound:
@@ -418,7 +424,6 @@ class CompiledStep:
         # so that a tuning's dropped graphs can give their pools back (_release_dropped_pools)
         del before
         self._note_early_updates(session)
-        candidates = candidates_for(trial) if entry.tuner is None else ()
         if len(candidates) > 1:
             entry.tuner = CaptureTuner(candidates)
             self.capture_tunings.append(entry.tuner)
@@ -466,6 +471,7 @@ class CompiledStep:
                      100 * TIME_TOLERANCE, "; ".join(m.describe() for m in tuner.measured))
         if verdict == KEEP:
             if tuner.done:
+                self._end_module_discovery()
                 _release_dropped_pools()
             return
         entry.drop(warm_up_again=False)

@@ -260,10 +260,11 @@ class Asking:
         return self.model(x, y)
 
 
-def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True, fails_with=()):
+def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True, fails_with=(), backend=None):
     (model,), (opt,) = (x[:1] for x in erase_training("sgd"))
     (ref_model,), (ref_opt,) = (x[:1] for x in erase_training("sgd"))
-    asking = Asking(model, fails_with) if ask else model
+    run = model if backend is None else torch.compile(model, backend=backend)
+    asking = Asking(run, fails_with) if ask else model
     step = compile_step(two_model_step([model], [opt], [asking]))
     reference = two_model_step([ref_model], [ref_opt], [ref_model])
     times = FakeTimes(monkeypatch, ms_by_lag)
@@ -299,12 +300,28 @@ def test_compile_step_tunes_an_auto_lag_and_trains_like_eager(fake_cuda, monkeyp
     (tuner,) = step.capture_tunings
     assert tuner.done and tuner.chosen == C(2)
     assert [x.choice.lag for x in tuner.measured] == [None, 2, 1]
-    # two warm-ups, the capture with None, one more warm-up (the module hook is gone: see
-    # compile_step), then captures with 2, 1 and the chosen 2; two micro-batches each
-    assert asking.lags == [None] * 6 + [None, None, 2, 2, 1, 1, 2, 2]
-    assert (step.captures, step.tuning_captures, step.warmups) == (1, 3, 3)
-    assert step.replays == calls - 3
+    # two warm-ups, the capture with None, then captures with 2, 1 and the chosen 2, two
+    # micro-batches each: no warm-up between them (the module hook stays to the tuning's end,
+    # so Dynamo's guards do not change and nothing recompiles; see compile_step)
+    assert asking.lags == [None] * 6 + [2, 2, 1, 1, 2, 2]
+    assert (step.captures, step.tuning_captures, step.warmups) == (1, 3, 2)
+    assert step.replays == calls - 2
     assert "release_lag=2, side_cuda_streams=None chosen" in caplog.text
+    assert_trains_like_eager(models, opts)
+
+
+def test_no_warm_up_comes_between_the_tunings_captures(fake_cuda, monkeypatch):
+    """The module hook stays until the tuning ends (then goes): removing it after the first
+    capture changed what Dynamo guards on, so a warm-up, where Dynamo may compile again,
+    came before the next candidate's capture."""
+    step, reference, times, _, models, opts = tuned_training(
+        monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250},
+        backend="eager")
+    hooked = []
+    train(step, reference, times, 2 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 4,
+          after_each=lambda: hooked.append((step.tuning, step._module_hook is not None)))
+    assert step.capture_tunings[0].done and step.warmups == 2
+    assert all(hook for tuning, hook in hooked if tuning) and hooked[-1] == (False, False)
     assert_trains_like_eager(models, opts)
 
 
