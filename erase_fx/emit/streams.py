@@ -80,6 +80,10 @@ class _Folding:
         view.width = width
         return view
 
+    def _on(self, stream: int) -> int:
+        """The stream ``stream``'s work runs on here (`fold`)."""
+        return fold(stream, self.width)
+
 
 class VirtualStreams(_Folding):
     """CPU: streams are labels; steps run in program order.
@@ -94,9 +98,6 @@ class VirtualStreams(_Folding):
     def __init__(self, trace: bool = False):
         # NB: folded views share the trace, which names the stream each step would run on
         self.trace: list[tuple[Any, ...]] | None = [] if trace else None
-
-    def _on(self, stream: int) -> int:
-        return fold(stream, self.width)
 
     def fork(self, streams: Sequence[int]) -> None:
         if self.trace is not None and streams:
@@ -158,12 +159,12 @@ class CudaStreams(_Folding):
     def _stream(self, stream: int) -> torch.cuda.Stream:
         if stream == MAIN_STREAM:
             return torch.cuda.current_stream(self.device)
-        return self.side[fold(stream, self.width) - 1]
+        return self.side[self._on(stream) - 1]
 
     def fork(self, streams: Sequence[int]) -> None:
         """The side streams wait for the work launched on the main stream so far."""
         main = torch.cuda.current_stream(self.device)
-        for stream in sorted({fold(s, self.width) for s in streams}):
+        for stream in sorted({self._on(s) for s in streams}):
             self.side[stream - 1].wait_stream(main)
 
     def run(
@@ -192,7 +193,7 @@ class CudaStreams(_Folding):
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         """The main stream waits for the side streams before it uses values made there."""
         main = torch.cuda.current_stream(self.device)
-        for stream in sorted({fold(s, self.width) for s in streams}):
+        for stream in sorted({self._on(s) for s in streams}):
             main.wait_stream(self.side[stream - 1])
         if torch.cuda.is_current_stream_capturing():
             return  # values of a captured forward live in the graph's own memory
