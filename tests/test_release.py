@@ -89,7 +89,7 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
             recorded += 1
         elif entry[0] == "wait_events":
             assert entry[1] == MAIN and recorded >= len(entry[2])
-    assert any(program.capture_plan.releases_before)
+    assert any(program.capture_plan_for(2).releases_before)
 
 
 def _slots_alive_before_each_launch(monkeypatch, cfg, model=None, inputs=None):
@@ -124,7 +124,7 @@ def test_by_default_a_captured_run_holds_what_crosses_streams_to_the_join(monkey
     stream, so they live to the join; nothing waits to release them."""
     program, streams, alive = _slots_alive_before_each_launch(
         monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
-    assert not any(program.capture_plan.releases_before)
+    assert not any(program.capture_plan_for(None).releases_before)
     assert not any(kind == "wait_events" for kind, *_ in streams.trace)
     cross = {slot for k, step in enumerate(program.steps) if step.stream == MAIN
              for slot in step.outputs
@@ -153,7 +153,7 @@ def test_with_stages_on_side_a_blocks_activations_die_with_its_backward_under_ca
                        and slot not in program.aliases
                        and all(s.stream == step.stream for s in steps if slot in s.inputs)}
         assert len(activations) >= 4, step.name
-        assert program.capture_plan.drops_after[block_step]
+        assert program.capture_plan_for(None).drops_after[block_step]
         for later in alive[block_step + 1:]:
             assert not activations & later, step.name
 

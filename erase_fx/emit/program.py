@@ -151,15 +151,12 @@ class StreamProgram(Boxed):
         #: whether the release lag changes anything here: some tensor the main stream makes
         #: and only side streams read (with each block's stage on its side stream, none)
         self.lag_matters = any(self.capture_plan_for(1).releases_before)
-        #: how a captured run frees memory (`erase_fx.emit.release`); with "auto", outside a
-        #: trial
-        self.capture_plan = self.capture_plan_for(
-            None if release_lag == AUTO else release_lag)
         #: per caller of `add_completion_hooks`: its begin hook and its hooks by step
         self.hook_clients: tuple[tuple[BeginHook, dict[int, tuple[CompletionHook, ...]]], ...] = ()
 
     def capture_plan_for(self, lag: int | None) -> CapturePlan:
-        """The release plan of a captured run with release lag ``lag`` (computed once per lag)."""
+        """How a captured run with release lag ``lag`` frees memory (`erase_fx.emit.release`;
+        computed once per lag; `_choice` says which lag a call uses)."""
         if lag not in self._plans:
             self._plans[lag] = plan_captured_releases(
                 [StepIO(s.stream, s.inputs, s.outputs) for s in self.steps], self.num_inputs,
