@@ -390,7 +390,8 @@ class CompiledStep:
             return self._unsupported(reason, fix, args, kwargs, error)
         current.wait_stream(side)
         candidates = candidates_for(trial) if entry.tuner is None else ()
-        if len(candidates) <= 1 and (entry.tuner is None or entry.tuner.done):
+        tuning_open = len(candidates) > 1 or (entry.tuner is not None and not entry.tuner.done)
+        if not tuning_open:
             # NB: a tuning keeps the module hook to its end: removing it changes Dynamo's
             # guards, and the next candidate's capture would need a warm-up that recompiles
             self._end_module_discovery()
@@ -435,10 +436,10 @@ class CompiledStep:
             self.captures += 1
             log.info("erase_fx compile_step %s: captured (%d of at most %d)", self._name,
                      self.captures, self.max_captures)
-        if entry.tuner is not None and not entry.tuner.done:
+        if tuning_open:
             entry.tuner.captured(pool_bytes(pool))
         elif tuning:
-            _release_dropped_pools()  # the choice captured again: the candidates' graphs are gone
+            self._end_tuning()  # the choice captured again: the candidates' graphs are gone
         return self._replay(entry, leaves, copy_inputs=False)
 
     def _replay(self, entry: _Entry, leaves: list[Any], copy_inputs: bool = True) -> Any:
@@ -471,11 +472,16 @@ class CompiledStep:
                      100 * TIME_TOLERANCE, "; ".join(m.describe() for m in tuner.measured))
         if verdict == KEEP:
             if tuner.done:
-                self._end_module_discovery()
-                _release_dropped_pools()
+                self._end_tuning()
             return
         entry.drop(warm_up_again=False)
         entry.tuning_capture = True
+
+    def _end_tuning(self) -> None:
+        """The chosen graph is in hand: the module hook goes (`_end_module_discovery`), and so
+        does the memory of the candidates' dropped graphs (`_release_dropped_pools`)."""
+        self._end_module_discovery()
+        _release_dropped_pools()
 
     def _tuning_capture_failed(self, entry: _Entry, choice: CaptureChoice, reason: str,
                                args: tuple, kwargs: dict) -> Any:
