@@ -632,9 +632,9 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     race would change bits."""
     from erase_fx.capture_tuning import LAGS, TIMED_REPLAYS, WIDTHS, graph_pools
 
-    # NB: enough steps for two warm-ups, one more after the first capture, every candidate
-    # timed and the chosen one captured
-    needed = WARMUP + 1 + len(LAGS) * len(WIDTHS) * (TIMED_REPLAYS + 1) + 1 + steps
+    # NB: enough steps for the warm-ups, every candidate timed and the chosen one captured
+    # (compile_step keeps its module hook to the tuning's end: no warm-up in between)
+    needed = WARMUP + len(LAGS) * len(WIDTHS) * (TIMED_REPLAYS + 1) + 1 + steps
     loaded = config_batches(config, device, -(-needed // 5))
     if loaded is None:
         report.check(f"release_lag='auto' on {config}", False, "needs torchvision")
@@ -654,11 +654,11 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     tunings = step.capture_tunings
     measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
     chosen = [m for m in tunings[0].measured if m.choice == tunings[0].chosen] if tunings else []
+    chosen_text = tunings[0].chosen.describe() if tunings else "-"
     report.check(f"release_lag and side_cuda_streams 'auto' on {config}: tuned within "
-                 f"{len(batches)} steps, "
-                 "one graph pool left",
+                 f"{len(batches)} steps, one graph pool left",
                  bool(tunings) and tunings[0].done and not step.tuning and len(pools) == 1,
-                 f"chosen {tunings[0].chosen.describe() if tunings else '-'} of {measured}; graph pools "
+                 f"chosen {chosen_text} of {measured}; graph pools "
                  f"after: {', '.join(f'{b / 2**20:.0f} MiB' for b in pools.values())} (the "
                  f"choice measured {chosen[0].pool_bytes / 2**20 if chosen else 0:.0f} MiB); "
                  f"{step.tuning_captures} tuning captures; {counts(step)}")

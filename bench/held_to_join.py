@@ -30,8 +30,9 @@ stream is reused only by that stream, so the step's pool needs about their
 sum, plus what the segments allocate inside (not seen here: a head's
 log-softmax within a block's segment, say). ``--streams 4,2`` compares side
 stream counts; ``--side-cuda-streams N`` gives the peaks of the CUDA streams
-the side streams are folded onto (`EraseConfig.side_cuda_streams`); ``--largest N`` lists, after the table, the N largest values
-each row holds at the join (kind, dtype and shape, the segment that made
+the side streams are folded onto (`EraseConfig.side_cuda_streams`);
+``--largest N`` lists, after the table, the N largest values each row holds
+at the join (kind, dtype and shape, the segment that made
 them; a storage several slots share counts once, as its longest-held slot's
 kind).
 
