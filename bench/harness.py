@@ -95,6 +95,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from erase_fx.capture_tuning import in_graph_pool
+
 COMPILERS = ("eager", "paper", "inductor", "reduce-overhead", "erase")
 #: capture -> the compilers it applies to.
 CAPTURES = {"graphs": ("erase",), "graph": ("inductor",), "step-graph": ("erase",),
@@ -520,7 +522,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return sum(size for _, size in seen)
 
 
-DEFAULT_POOL = (0, 0)
 #: CUgraphMem_attribute: the physical memory the driver holds for graph allocations now.
 _GRAPH_MEM_RESERVED_CURRENT = 2
 
@@ -556,11 +557,6 @@ def held_bytes() -> int:
         return torch.cuda.memory_allocated() + graph_memory_bytes()
     return sum(segment["total_size"] if in_graph_pool(segment) else segment["allocated_size"]
                for segment in torch.cuda.memory_snapshot())
-
-
-def in_graph_pool(segment: dict[str, Any]) -> bool:
-    """Whether a segment of the native allocator's snapshot belongs to a CUDA graph pool."""
-    return tuple(segment.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL
 
 
 def _cuda_driver_device():

@@ -61,6 +61,8 @@ TIMED_REPLAYS = 6
 TIME_TOLERANCE = 0.02
 #: `CaptureTuner.next_capture`: the graph in hand is the chosen one
 KEEP = "keep"
+#: The caching allocator's own pool in a memory snapshot (``segment_pool_id``): no graph's
+DEFAULT_POOL = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,13 +211,19 @@ def median_and_range(pairs: Sequence[tuple[Any, Any]]) -> tuple[float, float, fl
     return statistics.median(times), min(times), max(times)
 
 
+def in_graph_pool(segment: dict[str, Any]) -> bool:
+    """Whether a segment of the native allocator's snapshot belongs to a CUDA graph pool (not
+    the default pool, id ``DEFAULT_POOL``)."""
+    return tuple(segment.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL
+
+
 def graph_pools() -> dict[tuple[int, ...], int]:
     """Bytes of the segments the caching allocator holds per CUDA graph pool (the native
-    allocator's snapshot; the default pool, id (0, 0), left out)."""
+    allocator's snapshot)."""
     pools: dict[tuple[int, ...], int] = {}
     for segment in torch.cuda.memory_snapshot():
-        pool = tuple(segment.get("segment_pool_id", (0, 0)))
-        if pool != (0, 0):
+        if in_graph_pool(segment):
+            pool = tuple(segment["segment_pool_id"])
             pools[pool] = pools.get(pool, 0) + segment["total_size"]
     return pools
 
