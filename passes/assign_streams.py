@@ -75,7 +75,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.copy_input_values_per_block import MIN_BYTES, made_from_inputs
+from erase_fx.passes.copy_input_values_per_block import MIN_BYTES, loss_tails, made_from_inputs
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
     clone_module,
@@ -186,16 +186,14 @@ def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict,
 def _loss_tail_copies(nodes: list[fx.Node], owner: dict,
                       from_inputs: set[fx.Node]) -> set[tuple[fx.Node, fx.Node]]:
     """(early value, forward reader): a block's copy of a value made from the inputs alone
-    (`copy_input_values_per_block`: soft targets) read by a forward node that only feeds
-    the loss sum (the block's loss tail, ``mul(soft_targets, log_softmax)``). The copy stays
-    in its block: its reader joins the block (`_pull_loss_tails_into_blocks`), or else
-    runs after the join."""
-    returned = returned_to_the_user(nodes[-1].graph)
-    if returned is None:
-        return set()
-    feeds_output_only = _feeds_output_only(nodes, owner, returned)
-    return {(arg, node) for node in feeds_output_only for arg in node.all_input_nodes
-            if owner[arg] is not None and is_early(arg) and arg in from_inputs}
+    (`copy_input_values_per_block`: soft targets) read by that block's loss tail
+    (`loss_tails`, the one definition both passes use: ``mul(soft_targets, log_softmax)``).
+    The copy stays in its block: its reader joins the block (`_pull_loss_tails_into_blocks`),
+    or else runs after the join."""
+    return {(arg, tail) for tail, (block, _) in loss_tails(nodes[-1].graph, nodes,
+                                                          from_inputs).items()
+            for arg in tail.all_input_nodes
+            if arg in from_inputs and is_early(arg) and owner[arg] == block}
 
 
 def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict, from_inputs: set[fx.Node],
