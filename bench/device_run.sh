@@ -143,6 +143,9 @@
 #   bash bench/device_run.sh soft-c    after the gpt-soft fix (each block's loss reads its own copy of
 #                                      the soft targets; CPU only so far): gpt-soft:16 against
 #                                      gpt:16, then gpt-soft:16's streams profiled (~7 min)
+#   bash bench/device_run.sh redo-a    the rows not measured on the "auto" defaults: MobileNetV3 and
+#                                      EfficientNet-B0 (DGL), ctr:1024 and mlp:128, against
+#                                      inductor+step (~9 min)
 #   bash bench/device_run.sh memprof-d gpt:16's side 1 with keep_inplace_writes, its generated code kept
 #                                      (why it still holds the logits and their gradient; ~2 min,
 #                                      ran 2026-12-03 inside mem-b)
@@ -260,7 +263,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a|soft-c) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a|soft-c|redo-a) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -580,6 +583,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --configs tv-resnet18-dgl:256:32,gpt:8:768:1024:6,mlp:512:1024:2048:6,gpt:16:384:256:8 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
+      | grep -v '^erase_fx: graph' || true ;;
+  redo-a)
+    # docs/performance.md's rows still "measured with None", on the defaults (both "auto")
+    timeout 560 python3 -m bench.run --budget-s 500 --out "$OUT/redo-a.json" --streams '' \
+      --configs tv-mobilenet-dgl:256:64,tv-efficientnet-dgl:128:64,ctr:1024:512:1024:6,mlp:128:2000:2000:4 \
+      --sweep-configs '' --trials 3 --variants inductor+step,erase+step 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-c)
     # fold-a measured gpt-soft:16 at 1.37x of stock's step memory (gpt:16 1.00x) before the fix
