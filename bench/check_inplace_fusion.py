@@ -10,12 +10,15 @@ On a GPU the expected difference: stock writes the softmax into a buffer of
 its own, the kept form writes it over ``B``; the check passes when both equal
 eager and, on a GPU, the kept form refused a fusion and writes over ``B``.
 Runs on CPU too (``--device cpu``), where Inductor's C++ kernels write over
-``B`` either way.
+``B`` either way. ``--head soft`` compiles `soft_target_head` instead: the loss
+of label-smoothed targets made from the labels, which reads ``B`` at every
+index (the local heads of ``gpt-soft``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +34,26 @@ def softmax_head(a: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
     return (b - lse).exp(), value
 
 
-def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):
+def soft_target_head(a: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
+                     smoothing: float = 0.1):
+    """``B = a @ w``; returns (the gradient of the soft-target cross-entropy over B, its value),
+    as a label-smoothed loss's forward and backward make them: targets made from the labels,
+    a value that reads B at every index, and a same-size gradient made from B."""
+    b = a @ w
+    m = b.amax(1, keepdim=True)
+    log_probs = b - (m + (b - m).exp().sum(1, keepdim=True).log())
+    classes = b.shape[1]
+    labels = target == torch.arange(classes, device=b.device)  # NB: as gpt-soft's heads
+    soft = labels.float() * (1 - smoothing) + smoothing / classes
+    value = -(soft * log_probs).sum(1).mean()
+    return (log_probs.exp() - soft) / b.shape[0], value
+
+
+HEADS = {"target": softmax_head, "soft": soft_target_head}
+
+
+def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096,
+                 head=softmax_head):
     """(refused fusions or None, generated code, outputs equal eager's) of one compile."""
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
@@ -45,8 +67,8 @@ def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):
     target = torch.randint(0, cols, (rows, 1), device=device, generator=generator)
     keeping = keep_inplace_writes(min_bytes=1 << 20) if keep else contextlib.nullcontext()
     with keeping as handler, config.patch(fx_graph_cache=False):
-        got, code = run_and_get_code(torch.compile(softmax_head), a, w, target)
-    want = softmax_head(a, w, target)
+        got, code = run_and_get_code(torch.compile(head), a, w, target)
+    want = head(a, w, target)
     # NB: the softmax is exp(B - lse) with lse near 30: fp32 rounding of lse (another sum
     # order than eager's) moves it by a few 1e-6, relative
     same = all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(got, want))
@@ -54,9 +76,12 @@ def compile_once(device: str, keep: bool, rows: int = 2048, cols: int = 4096):
 
 
 def writes_over_matmul(code: str) -> bool:
-    """Whether the generated code writes a value over the matmul's output (``buf0``)."""
-    return any("del buf0" in line and line.rstrip().endswith("# reuse")
-               for line in code.splitlines())
+    """Whether the generated code writes a value over the matmul's output (the buffer its
+    ``extern_kernels.mm`` writes)."""
+    made = re.search(r"extern_kernels\.mm\(.*out=(buf\d+)\)", code)
+    return made is not None and any(
+        f"del {made.group(1)}" in line and line.rstrip().endswith("# reuse")
+        for line in code.splitlines())
 
 
 def call_lines(code: str) -> list[str]:
@@ -71,10 +96,13 @@ def call_lines(code: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--head", choices=sorted(HEADS), default="target",
+                        help="target: a loss read at each row's target (softmax_head); soft: "
+                             "label-smoothed targets (soft_target_head)")
     args = parser.parse_args(argv)
     ok = True
     for keep in (False, True):
-        refused, code, same = compile_once(args.device, keep)
+        refused, code, same = compile_once(args.device, keep, head=HEADS[args.head])
         over = writes_over_matmul(code)
         print(f"{'keep_inplace_writes' if keep else 'stock'} on {args.device}: refused {refused}, "
               f"same as eager: {same}, writes over the matmul's output: {over}")

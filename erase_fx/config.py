@@ -180,7 +180,11 @@ class EraseConfig:
             (step API against stock ``inductor+step``, ``python -m bench.run``,
             2026-12-02, `bench/results/2026-12-02-f-NOTES.md`), on against
             off: gpt:16:384:256:8 step memory 1.04x of stock (off: 1.29x), time
-            0.91x (0.89x), gpt:8:768:1024:6 1.09x (1.33x), 0.99x (0.97x); where
+            0.91x (0.89x), gpt:8:768:1024:6 1.09x (1.33x), 0.99x (0.97x);
+            soft targets (label smoothing, gpt-soft:16:384:256:8, 2026-12-03,
+            `bench/results/2026-12-03-f-NOTES.md`) 1.00x (1.24x), 0.99x
+            (0.87x): there it costs 13% of the step, and ``False`` is faster
+            at more memory than stock's; where
             such a buffer does not set a side stream's peak, memory and time
             are unchanged within 1% (ctr:16384, DGL ResNet-18, the DGL ViT);
             the small chains have none. ``False``: Inductor's own fusions.

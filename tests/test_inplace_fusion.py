@@ -18,7 +18,12 @@ from torch._inductor import config as inductor_config
 from torch._inductor.virtualized import V
 
 import erase_fx
-from bench.check_inplace_fusion import compile_once, softmax_head, writes_over_matmul
+from bench.check_inplace_fusion import (
+    compile_once,
+    soft_target_head,
+    softmax_head,
+    writes_over_matmul,
+)
 from bench.models import GPTChain, GPTConfig, gpt_inputs
 from graphs import assert_same_grads
 from erase_fx.emit import inductor_segments, inplace_fusion
@@ -49,9 +54,22 @@ def test_a_fusion_that_blocks_a_large_inplace_write_is_refused_and_results_are_u
     assert all(r.buffer.startswith("buf") and r.writer.startswith("op") for r in refused)
 
 
+def test_a_loss_over_soft_targets_is_left_out_of_the_gradients_kernel_so_it_writes_over_b():
+    """The soft-target loss value reads B at the gradient's own index and needs none of its
+    result; fused with the gradient it is a reader Inductor counts as not done, and the
+    gradient gets a buffer of its own. Stock Inductor writes it apart from B on CPU too."""
+    stock_refused, stock_code, stock_same = compile_once("cpu", keep=False, rows=512,
+                                                         head=soft_target_head)
+    refused, code, same = compile_once("cpu", keep=True, rows=512, head=soft_target_head)
+    assert stock_same and same
+    assert stock_refused is None and not writes_over_matmul(stock_code)
+    assert refused and writes_over_matmul(code)
+
+
 def test_the_check_reads_inductors_reuse_lines():
-    kept = "    buf3 = buf0; del buf0  # reuse\n    triton_poi_fused_div_exp_sub_2.run(buf3)\n"
-    stock = "    buf5 = buf4; del buf4  # reuse\n    del buf0\n"
+    mm = "    extern_kernels.mm(arg0_1, arg1_1, out=buf0)\n"
+    kept = mm + "    buf3 = buf0; del buf0  # reuse\n    triton_poi_fused_div_exp_sub_2.run(buf3)\n"
+    stock = mm + "    buf5 = buf4; del buf4  # reuse\n    del buf0\n"
     assert writes_over_matmul(kept) and not writes_over_matmul(stock)
 
 
