@@ -143,6 +143,14 @@
 #   bash bench/device_run.sh soft-c    after the gpt-soft fix (each block's loss reads its own copy of
 #                                      the soft targets; CPU only so far): gpt-soft:16 against
 #                                      gpt:16, then gpt-soft:16's streams profiled (~7 min)
+#   bash bench/device_run.sh soft-d    after soft-c (gpt-soft:16 1.24x of stock's step memory: each side
+#                                      stream holds a block's logits and their gradient) and the
+#                                      in-place rule fixed (a soft-target loss value fused with the
+#                                      gradient blocks its write): check_inplace_fusion with both
+#                                      heads, then gpt-soft:16 and gpt:16 (~5 min)
+#   bash bench/device_run.sh soft-e    after soft-d (gpt-soft:16 1.00x of stock's memory, but 0.97x of its
+#                                      time against 0.87x): gpt-soft:16 with stock fusion beside,
+#                                      the refused fusions logged (FX graph cache off; ~3 min)
 #   bash bench/device_run.sh redo-a    the rows not measured on the "auto" defaults: MobileNetV3 and
 #                                      EfficientNet-B0 (DGL), ctr:1024 and mlp:128, against
 #                                      inductor+step (~9 min)
@@ -263,7 +271,7 @@ case "${1:-}" in
   kernels-a) ;;
   vision-a|vision-b|vision-c|vision-d|vision-e|vision-f|vision-g|vision-h|vision-i|layout-a|gpt8-a) ;;
   segments-a|onegraph-a|onegraph-b|onegraph-c|onegraph-d|overhead-a|streams-c) ;;
-  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a|soft-c|redo-a) ;;
+  memprof-a|memprof-b|memprof-c|determinism-a|onestream-a|inplace-a|inplace-b|inplace-c|inplace-d|memprof-d|mem-a|mem-b|cse-a|cse-b|cse-c|sched-c|lag-a|order-a|order-b|pool-a|soft-a|auto-a|auto-c|auto-d|soft-b|fold-a|soft-c|redo-a|soft-d|soft-e) ;;
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
@@ -584,6 +592,26 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
+  soft-d)
+    for head in target soft; do
+      timeout 120 python3 -m bench.check_inplace_fusion --head $head 2>&1 \
+        | tee "$OUT/check_inplace_fusion-$head.log" || true
+    done
+    timeout 280 python3 -m bench.run --budget-s 220 --out "$OUT/soft-d.json" --streams '' \
+      --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
+  soft-e)
+    # NB: the FX graph cache off, so that every segment compiles and logs its refusals
+    TORCHINDUCTOR_FX_GRAPH_CACHE=0 timeout 320 python3 -c "
+import logging, sys
+logging.basicConfig(format='%(name)s %(levelname)s %(message)s')
+logging.getLogger('erase_fx').setLevel(logging.DEBUG)
+from bench.run import main
+sys.exit(main(sys.argv[1:]))" --budget-s 250 --out "$OUT/soft-e.json" --streams '' \
+      --configs gpt-soft:16:384:256:8 --sweep-configs '' --trials 3 \
+      --variants inductor+step,erase+step,erase+step/stock-fusion 2>&1 \
+      | grep -v "^erase_fx: graph\|INFO" | grep -i "refused\|erase+step\|inductor+step" \
+      | cut -c1-400 | tee "$OUT/soft-e.log" ;;
   redo-a)
     # docs/performance.md's rows still "measured with None", on the defaults (both "auto")
     timeout 560 python3 -m bench.run --budget-s 500 --out "$OUT/redo-a.json" --streams '' \
