@@ -97,6 +97,14 @@ COPYABLE_NAMESPACES = ("aten", "prims")
 Owner = tuple[int, "int | None"]
 
 
+def early_owner(node: fx.Node) -> Owner | None:
+    """The (block, piece) of an early node; None for any other node."""
+    if not is_early(node):
+        return None
+    meta = get_meta(node)
+    return meta.block, meta.piece
+
+
 @dataclasses.dataclass(frozen=True)
 class InputValueCopies:
     """Which values each block now makes itself: original name -> the names of its copies,
@@ -164,10 +172,8 @@ class _Analysis:
 
     def owner_of(self, node: fx.Node) -> Owner | None:
         """The (block, piece) an early node or a loss tail's node is of; None for others."""
-        if is_early(node):
-            meta = get_meta(node)
-            return meta.block, meta.piece
-        return self.tails.get(node)
+        owner = early_owner(node)
+        return owner if owner is not None else self.tails.get(node)
 
     def block_readers(self, node: fx.Node) -> dict[Owner, list[fx.Node]]:
         """The early nodes and loss tails' nodes that read ``node``, by (block, piece), each
@@ -284,8 +290,7 @@ def loss_tails(graph: fx.Graph, nodes: list[fx.Node],
     for node in feeds_returns_only(nodes, returned, lambda node: not is_early(node)):
         computed = [a for a in node.all_input_nodes
                     if a.op not in ("placeholder", "get_attr") and a not in from_inputs]
-        owners = {(get_meta(u).block, get_meta(u).piece)
-                  for a in computed for u in a.users if is_early(u)}
+        owners = {early_owner(u) for a in computed for u in a.users} - {None}
         if (computed and len(owners) == 1 and not node.is_impure()
                 and all(any(is_early(u) for u in a.users) for a in computed)):
             tails[node] = owners.pop()
@@ -412,17 +417,15 @@ def check_input_values_per_block(result: PassResult[InputValueCopies]) -> None:
         copy = by_name.get(name)
         if copy is None or not is_early(copy):
             raise GraphInvariantError(PASS_NAME, f"the copy {name} is not an early node")
-        meta = get_meta(copy)
-        owner = (meta.block, meta.piece)
+        owner = early_owner(copy)
         for user in copy.users:
             if analysis.owner_of(user) != owner:
-                raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {meta.block} "
+                raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {owner[0]} "
                                           f"is read by {user.name}, not a node of its block")
         for arg in copy.all_input_nodes:
             if analysis.is_source(arg):
                 continue
-            arg_meta = get_meta(arg)
-            own = is_early(arg) and (arg_meta.block, arg_meta.piece) == owner
+            own = early_owner(arg) == owner
             if not own and analysis.holds_large_from_small(arg):
-                raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {meta.block} "
+                raise GraphInvariantError(PASS_NAME, f"the copy {name} of block {owner[0]} "
                                           f"reads {arg.name}, a large value not its block's own")
