@@ -163,9 +163,12 @@ def test_side_stream_segments_compile_inside_it_when_the_option_is_on(monkeypatc
     assert inductor_segments.inplace_fusion is inplace_fusion
 
 
-def test_gradients_equal_eagers_with_fusions_refused(monkeypatch):
-    """A transformer chain with local LM heads (fp32), the threshold lowered so that its
-    side segments' logits (4 MiB here) are written in place: every grad equals eager's."""
+@pytest.mark.parametrize("kind", ["gpt", "gpt-soft"])
+def test_gradients_equal_eagers_with_fusions_refused(monkeypatch, kind):
+    """A transformer chain with local LM heads (fp32; hard labels, or label-smoothed targets
+    whose loss value reads every logit), the threshold lowered so that its side segments'
+    logits (4 MiB here) are written in place: every grad equals eager's, on a batch the
+    compilation never saw."""
     refused = []
     real = inplace_fusion.keep_inplace_writes
 
@@ -178,13 +181,15 @@ def test_gradients_equal_eagers_with_fusions_refused(monkeypatch):
     monkeypatch.setattr(inplace_fusion, "keep_inplace_writes", lowered)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = GPTConfig.parse("gpt:2:64:64:3")
+    cfg = GPTConfig.parse(f"{kind}:2:64:64:3")
     model = GPTChain(cfg, amp_dtype=None)
     reference = copy.deepcopy(model)
-    tokens, targets = gpt_inputs(cfg, torch.device("cpu"))
+    compiled = torch.compile(model, backend="erase", options={"on_error": "raise"})
     with inductor_config.patch(fx_graph_cache=False):
-        torch.compile(model, backend="erase", options={"on_error": "raise"})(
-            tokens, targets).backward()
+        compiled(*gpt_inputs(cfg, torch.device("cpu"))).backward()
+    model.zero_grad(set_to_none=True)
+    tokens, targets = gpt_inputs(cfg, torch.device("cpu"))
+    compiled(tokens, targets).backward()
     reference(tokens, targets).backward()
     assert refused, "the side segments' logits must be written in place"
     assert_same_grads(reference, model, rtol=1e-4, atol=1e-6)
