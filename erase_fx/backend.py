@@ -202,6 +202,8 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
         compilation.backward_guard.guard(outputs)
+        if compilation.live_tangents is not None:
+            compilation.live_tangents.watch(outputs)
         return outputs
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.

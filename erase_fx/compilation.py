@@ -46,6 +46,7 @@ from erase_fx.emit.inductor_segments import (
     keep_early_values_at_fx_strides,
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
+from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, output_indices
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import UnsupportedBlockError
 from erase_fx.guards import BackwardGuard
@@ -54,6 +55,7 @@ from erase_fx.passes import (
     BACKWARD_PASSES,
     FORWARD_PASSES,
     JOINT_PASSES,
+    UNUSED_TANGENT_BACKWARD_PASSES,
     BlockAnalysis,
     BoundaryRecomputes,
     InputValueCopies,
@@ -101,6 +103,10 @@ class GraphCompilation:
         self.early_grads: tuple[EarlyGrad, ...] = ()
         self.differentiable_outputs = 0
         self.early_updates: EarlyUpdates | None = None
+        #: the tangents early blocks read besides their loss's, when the outputs they are the
+        #: gradients of can be watched: a backward without them runs when none gets a gradient
+        self.unused_tangents: tuple[str, ...] = ()
+        self.live_tangents: LiveTangents | None = None
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -185,14 +191,24 @@ class GraphCompilation:
                           inductor_kwargs: dict[str, Any]) -> Any:
         if self.dump is not None:
             self.runner.record("bwd", bw)
+        lean = None
+        if self.live_tangents is not None and self.has_early_blocks:
+            lean = self._unless_it_fails(
+                "the whole backward runs when the outputs besides the loss get no gradient",
+                lambda: self._compile_backward_passes(
+                    bw, example_inputs, dict(inductor_kwargs), UNUSED_TANGENT_BACKWARD_PASSES,
+                    unused_tangents=self.unused_tangents))
         compiled = None
         if self.has_early_blocks:
             try:
-                compiled = self._compile_scaled_backward(bw, example_inputs, inductor_kwargs)
+                compiled = self._compile_backward_passes(
+                    bw, example_inputs, inductor_kwargs, BACKWARD_PASSES)
             except Exception as error:  # noqa: BLE001 - the documented fallback
                 self._fall_back("compile_backward", error, keep_schedule=True)
         if compiled is None:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
+        if lean is not None:
+            compiled = SelectedBackward(lean, compiled, self.live_tangents)
         if self.early_allreduce is not None:
             compiled = self.early_allreduce.wrap_backward(compiled)
         if self.early_updates is not None:
@@ -227,10 +243,16 @@ class GraphCompilation:
         return partition.fw, partition.bw
 
     def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
-        """Right after the analysis, before the scheduling: the report, and unsupported blocks."""
+        """Right after the analysis, before the scheduling: the report, unsupported blocks, and
+        the outputs whose gradients decide which backward runs."""
         self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg,
                                                 joint=found.gm)
         self._handle_unsupported(found.artifact)
+        other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
+        watched = output_indices(found.gm, other) if other else None
+        if watched is not None:
+            self.unused_tangents = tuple(other)
+            self.live_tangents = LiveTangents(watched)
 
     def _note_input_copies(self, copied: PassResult[InputValueCopies]) -> None:
         sizes = copied.artifact.sizes
@@ -278,13 +300,15 @@ class GraphCompilation:
             self.early_updates.attach(program)
         return program
 
-    def _compile_scaled_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
-                                 inductor_kwargs: dict[str, Any]) -> Any:
-        """The backward returning early grads unscaled, scaled in place after it (or None)."""
-        results = run_passes(BACKWARD_PASSES, bw, self.cfg, runner=self.runner)
+    def _compile_backward_passes(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
+                                 inductor_kwargs: dict[str, Any], passes: Sequence[Any],
+                                 **given: Any) -> Any:
+        """``passes`` run on the backward, then compiled: returning early grads unscaled when
+        `defer_grad_scaling` could, wrapped to scale them in place (`ScaledBackward`)."""
+        results = run_passes(passes, bw, self.cfg, runner=self.runner, **given)
         deferred = results["defer_grad_scaling"]
         if not deferred.modified:
-            return None
+            return compile_graph(deferred.gm, example_inputs, self.cfg.inner, **inductor_kwargs)
         if self.cfg.inner == "inductor":
             from torch._inductor import config as inductor_config
 

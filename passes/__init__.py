@@ -29,6 +29,8 @@ On the backward module::
 
     defer_grad_scaling          backward -> backward returning early grads unscaled + scales
                                 + DeferredScaling
+    specialize_unused_tangents  backward -> the backward for a step where the outputs besides
+                                the loss that early blocks read get no gradient
 """
 from erase_fx.passes.assign_streams import assign_streams, stages_go_to_side_streams, stream_of_block
 from erase_fx.passes.defer_grad_scaling import DeferredScaling, ScaledGrad, defer_grad_scaling
@@ -62,6 +64,7 @@ from erase_fx.passes.pipeline import (
     BACKWARD_PASSES,
     FORWARD_PASSES,
     JOINT_PASSES,
+    UNUSED_TANGENT_BACKWARD_PASSES,
     Pass,
     PassContext,
     module_given_to,
@@ -73,6 +76,7 @@ __all__ = [
     "BACKWARD_PASSES",
     "FORWARD_PASSES",
     "JOINT_PASSES",
+    "UNUSED_TANGENT_BACKWARD_PASSES",
     "MAIN_STREAM",
     "Artifact",
     "Block",

@@ -21,7 +21,8 @@ How:
      tangent-free helpers (autograd puts nodes such as ``t(t_2)`` in the
      backward region although they read only forward values);
   5. a piece is an early block if it produces parameter gradients, reads the
-     gradient of exactly one 0-dim output (the loss), its ready point comes
+     gradient of exactly one one-element output (the loss: 0-d, or ``[1]``
+     as a loss accumulated into ``torch.zeros(1)``), its ready point comes
      before the latest ready point, and every op on its path from the tangent
      is known to be linear in it (`linearity_violation`) and mutates nothing;
   6. a piece that would stay in the backward although several loss terms
@@ -54,7 +55,7 @@ stage and its head) are not held to it: their early backward is the whole
 of their gradient, and a chain's blocks are each 1/K of the backward.
 
 Invariants out (`check_block_analysis`): blocks are disjoint, each has one
-0-dim tangent and a ready point that is a forward node, reads no node of
+one-element tangent and a ready point that is a forward node, reads no node of
 another component and is read outside only as gradients or gradient parts;
 ids follow ready-point order. The pass does not change the graph: it returns
 the input module, unmodified, with the `BlockAnalysis` as its artifact.
@@ -85,7 +86,14 @@ import torch.fx as fx
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
-from erase_fx.passes.graph import is_primal, is_tangent, output_values, topo_positions
+from erase_fx.passes.graph import (
+    is_one_element,
+    is_primal,
+    is_tangent,
+    output_values,
+    tangent_outputs,
+    topo_positions,
+)
 from erase_fx.passes.linearity import linearity_violation
 from erase_fx.passes.pass_result import DumpFile, PassResult
 from erase_fx.passes.split_at_sums import (
@@ -106,7 +114,6 @@ class RejectReason(str, enum.Enum):
 
     NO_PARAMETER_GRAD = "no_parameter_grad"
     LAST_BLOCK = "last_block"
-    SEVERAL_TANGENTS = "several_tangents"
     NOT_SCALAR_TANGENT = "not_scalar_tangent"
     MUTATION = "mutation"
     NOT_LINEAR = "not_linear"
@@ -158,12 +165,24 @@ class Component:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """A component that runs early."""
+    """A component that runs early.
+
+    Attributes:
+        id: the block's index, in ready-point order.
+        component: its nodes.
+        tangent: the loss tangent ``T`` its early backward is seeded for.
+        params: the parameters whose gradients it computes.
+        other_tangents: the other tangents it reads (outputs kept for logging, or
+            captured by hooks): their part of its gradients is computed in the
+            backward (`schedule_early_backward`), and costs nothing when they get
+            no gradient.
+    """
 
     id: int
     component: Component
     tangent: str
     params: tuple[str, ...]
+    other_tangents: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,8 +266,11 @@ def find_stop_gradient_blocks(
     early, rejected = _judge_components(components, facts, latest, backward_flops,
                                         cfg.min_part_share)
     early.sort(key=facts.order)
-    blocks = [Block(i, comp, comp.tangents[0], facts.params_of(comp))
-              for i, comp in enumerate(early)]
+    blocks = []
+    for i, comp in enumerate(early):
+        loss = facts.loss_tangent(comp)
+        blocks.append(Block(i, comp, loss, facts.params_of(comp),
+                            tuple(t for t in comp.tangents if t != loss)))
     analysis = BlockAnalysis(
         blocks=tuple(blocks),
         rejected=tuple(rejected),
@@ -274,6 +296,9 @@ class Dataflow:
         primal_label: a name per primal, for reports.
         helper_pool: tangent-free nodes no forward output needs (the helpers
             autograd leaves in the backward region, such as ``t(t_2)``).
+        output_position: each tangent's name -> the graph position of the forward
+            output it is the gradient of (from AOTAutograd's descriptors, where the
+            graph has them).
     """
 
     graph: fx.Graph
@@ -286,6 +311,7 @@ class Dataflow:
     grad_index: Mapping[fx.Node, int]
     primal_label: Sequence[str]
     helper_pool: nx.DiGraph
+    output_position: Mapping[str, int]
 
     @classmethod
     def of(cls, graph: fx.Graph, num_fwd_outputs: int,
@@ -309,10 +335,11 @@ class Dataflow:
         forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
         required = _ancestors_of(edges, forward_outputs) | set(forward_outputs)
         required |= {n for n in nodes if n.op == "placeholder" and not is_tangent(n)}
+        position = topo_positions(graph)
         return cls(
             graph=graph,
             edges=edges,
-            position=topo_positions(graph),
+            position=position,
             by_name={n.name: n for n in nodes},
             backward=frozenset(backward),
             seeds=frozenset(seeds),
@@ -322,6 +349,8 @@ class Dataflow:
             primal_label=_primal_labels(graph, primal_names),
             helper_pool=edges.subgraph(
                 n for n in nodes if n not in backward and n not in required),
+            output_position={tangent.name: position[output] for tangent, output
+                             in tangent_outputs(graph, num_fwd_outputs).items()},
         )
 
     def backward_pieces(self) -> list[set[fx.Node]]:
@@ -341,6 +370,22 @@ class Dataflow:
     def order(self, comp: Component) -> tuple[int, int]:
         """NB: deterministic order please: by ready point, then by first node."""
         return self.ready_position(comp), self.position[self.by_name[comp.nodes[0]]]
+
+    def loss_tangent(self, comp: Component) -> str | None:
+        """The tangent ``comp``'s early backward is seeded for: of the one-element
+        tangents it reads, the gradient of the output the forward makes last (a loss
+        accumulated as ``total = total + local`` and returned beside ``local``, kept
+        for logging, is ``total``); None when it reads none.
+
+        NB: any choice is exact: the other tangents' part of the gradient is computed in
+        the backward. The choice decides which part runs early.
+        """
+        losses = [name for name in comp.tangents
+                  if is_one_element(self.by_name[name].meta.get("val"))]
+        if not losses:
+            return None
+        return max(losses, key=lambda name: (self.output_position.get(name, -1),
+                                             self.position[self.by_name[name]]))
 
     def params_of(self, comp: Component) -> tuple[str, ...]:
         return tuple(self.primal_label[i] for i, _ in sorted(comp.grad_outputs))
@@ -472,21 +517,16 @@ def _reject_reason(
             "its backward is ready only when the forward ends: nothing later to overlap",
             comp.ready_after,
         )
-    if len(comp.tangents) != 1:
-        return (
-            RejectReason.SEVERAL_TANGENTS,
-            f"reads the gradients of {len(comp.tangents)} outputs ({', '.join(comp.tangents)})",
-            None,
-        )
-    tangent = by_name[comp.tangents[0]]
-    value = tangent.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+    if not any(is_one_element(by_name[name].meta.get("val")) for name in comp.tangents):
+        shapes = ", ".join(f"{name} {tuple(by_name[name].meta['val'].shape)}"
+                           for name in comp.tangents)
         return (
             RejectReason.NOT_SCALAR_TANGENT,
-            f"reads the gradient of a non-scalar output ({tangent.name})",
-            tangent.name,
+            f"reads no gradient of a one-element output (a loss), only of larger ones "
+            f"({shapes})",
+            comp.tangents[0],
         )
-    dependent = {tangent} | {by_name[n] for n in comp.seeds + comp.nodes}
+    dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
     for name in comp.seeds + comp.nodes + comp.helpers:
         node = by_name[name]
         if _mutates(node):
@@ -507,7 +547,7 @@ def _small_part_reason(share: float, min_part_share: float) -> tuple[RejectReaso
 
 #: Reasons for which a component is split where its loss terms meet: its
 #: parts may run early although the whole cannot.
-_SPLIT_REASONS = (RejectReason.LAST_BLOCK, RejectReason.SEVERAL_TANGENTS)
+_SPLIT_REASONS = (RejectReason.LAST_BLOCK,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -586,8 +626,8 @@ def _in_pieces(
         return None
     if len({part.ready_after for part in parts}) < 2:
         return None
-    tangent = by_name[comp.tangents[0]]
-    dependent = {tangent} | seeds | {by_name[n] for part in parts for n in part.nodes}
+    dependent = {by_name[n] for n in comp.tangents} | seeds
+    dependent |= {by_name[n] for part in parts for n in part.nodes}
     dependent |= {by_name[n] for n in rest.nodes}
     for name in rest.nodes + rest.helpers:
         if _mutates(by_name[name]):
@@ -674,8 +714,10 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
             raise GraphInvariantError(PASS_NAME, "blocks share nodes", node=sorted(overlap)[0])
         seen |= set(comp.nodes)
         tangent = by_name[block.tangent]
-        if comp.tangents != (block.tangent,) or tangent.meta["val"].dim() != 0:
-            raise GraphInvariantError(PASS_NAME, "a block must read one 0-dim tangent",
+        if (sorted(comp.tangents) != sorted((block.tangent, *block.other_tangents))
+                or not is_one_element(tangent.meta["val"])):
+            raise GraphInvariantError(PASS_NAME, "a block's loss tangent must be a one-element "
+                                      "tangent it reads; the others, its other tangents",
                                       node=block.tangent)
         members = set(comp.nodes)
         for name in comp.nodes:

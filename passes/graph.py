@@ -24,6 +24,14 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and str(node.target).startswith("tangents")
 
 
+def is_one_element(value: Any) -> bool:
+    """Whether ``value`` is a tensor of exactly one element: a loss, 0-d or ``[1]``
+    (``torch.zeros(1)`` plus the local losses). NB: sizes that are symbolic count as
+    not 1, so no guard is added on them."""
+    return isinstance(value, torch.Tensor) and all(
+        isinstance(size, int) and size == 1 for size in value.shape)
+
+
 def output_node(graph: fx.Graph) -> fx.Node:
     return graph.find_nodes(op="output")[0]
 
@@ -43,6 +51,23 @@ def output_descriptors(graph: fx.Graph) -> list[tuple[Any, Any]] | None:
     if descs is None or len(descs) != len(values):
         return None
     return list(zip(values, descs))
+
+
+def tangent_outputs(graph: fx.Graph, num_fwd_outputs: int) -> dict[fx.Node, fx.Node]:
+    """Each tangent of a joint graph -> the forward output it is the gradient of, matched by
+    AOTAutograd's descriptors (``TangentAOTInput.output`` is the output's own descriptor);
+    empty when the graph has none."""
+    described = output_descriptors(graph)
+    if described is None:
+        return {}
+    by_desc = {desc: value for value, desc in described[:num_fwd_outputs]
+               if isinstance(value, fx.Node) and desc is not None}
+    found = {}
+    for node in graph.find_nodes(op="placeholder"):
+        output = getattr(node.meta.get("desc"), "output", None)
+        if is_tangent(node) and output in by_desc:
+            found[node] = by_desc[output]
+    return found
 
 
 def primals(graph: fx.Graph) -> list[fx.Node]:

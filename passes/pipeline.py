@@ -9,6 +9,7 @@ first ``.backward()``, the backward. Each has its list of passes, in order::
     FORWARD_PASSES   copy_input_values_per_block > assign_streams > recompute_boundary_values
                      > split_segments
     BACKWARD_PASSES  defer_grad_scaling
+    UNUSED_TANGENT_BACKWARD_PASSES  specialize_unused_tangents > defer_grad_scaling
 
 `run_passes` runs one list over a module with the config: each pass reads the
 module the pass before returned (``PassResult.gm``), is checked by its own
@@ -57,6 +58,10 @@ from erase_fx.passes.recompute_boundary_values import (
     recompute_boundary_values,
 )
 from erase_fx.passes.schedule_early_backward import check_early_schedule, schedule_early_backward
+from erase_fx.passes.specialize_unused_tangents import (
+    check_unused_tangents,
+    specialize_unused_tangents,
+)
 from erase_fx.passes.split_segments import check_segments, split_segments
 
 
@@ -233,6 +238,14 @@ def _check_segments(result: PassResult, context: PassContext) -> None:
     check_segments(result)
 
 
+def _specialize_unused_tangents(gm: fx.GraphModule, context: PassContext) -> PassResult:
+    return specialize_unused_tangents(gm, context.cfg, context.given["unused_tangents"])
+
+
+def _check_unused_tangents(result: PassResult, context: PassContext) -> None:
+    check_unused_tangents(result.gm, result.artifact)
+
+
 def _defer_grad_scaling(gm: fx.GraphModule, context: PassContext) -> PassResult:
     return defer_grad_scaling(gm, context.cfg)
 
@@ -252,6 +265,8 @@ ASSIGN_STREAMS = Pass("assign_streams", _assign_streams, _check_streams)
 RECOMPUTE_BOUNDARY_VALUES = Pass("recompute_boundary_values", _recompute_boundary_values,
                                  _check_boundary_values)
 SPLIT_SEGMENTS = Pass("split_segments", _split_segments, _check_segments)
+SPECIALIZE_UNUSED_TANGENTS = Pass("specialize_unused_tangents", _specialize_unused_tangents,
+                                  _check_unused_tangents)
 DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_deferred)
 
 #: On AOT's joint graph (after Inductor's joint-graph passes, with Inductor
@@ -265,3 +280,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (COPY_INPUT_VALUES_PER_BLOCK, ASSIGN_STREAMS,
                                     RECOMPUTE_BOUNDARY_VALUES, SPLIT_SEGMENTS)
 #: On the backward, at the first ``.backward()``, when the graph has early blocks.
 BACKWARD_PASSES: tuple[Pass, ...] = (DEFER_GRAD_SCALING,)
+#: The backward that runs when the outputs besides the loss that early blocks read the
+#: gradients of (``unused_tangents``, given) get none: compiled beside the one above.
+UNUSED_TANGENT_BACKWARD_PASSES: tuple[Pass, ...] = (SPECIALIZE_UNUSED_TANGENTS,
+                                                    DEFER_GRAD_SCALING)

@@ -2,7 +2,8 @@
 
 What: rewrites the joint graph so that each early block's backward is cloned
 right after the block's ready point, with its loss tangent ``T`` replaced by
-the constant seed ``s`` (``cfg.seed``, 1 by default), and so that the
+the constant seed ``s`` (``cfg.seed``, 1 by default; a tensor of the tangent's shape,
+0-d or ``[1]``), and so that the
 gradients it produces leave the backward as ``T / s * early_grad``.
 
 Why it is exact: the backward is linear in the tangent (checked op by op by
@@ -68,6 +69,7 @@ from erase_fx.passes.graph import (
 )
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, set_meta
 from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.zero_folding import ZERO, copy_folding_zeros
 
 PASS_NAME = "schedule_early_backward"
 
@@ -98,17 +100,22 @@ def schedule_early_backward(
         pieces = _pieces(comp, by_name, to_clone)
 
         with graph.inserting_after(by_name[pieces[0][0]]):
+            # NB: the tangent's own shape: a loss accumulated into torch.zeros(1) is [1]
             seed = call_with_val(
                 graph,
                 aten.full.default,
-                ([], float(cfg.seed)),
+                (list(tangent_val.shape), float(cfg.seed)),
                 {"dtype": tangent_val.dtype, "layout": torch.strided,
                  "device": tangent_val.device, "pin_memory": False},
                 fake_mode=fake_mode,
             )
         _tag_forward(seed, early_meta)
 
-        env: dict[fx.Node, fx.Node] = {tangent: seed}
+        # NB: the other outputs' tangents are zero in the early copy: their part of the
+        # gradient is computed in the backward (`_copy_late`)
+        env: dict[fx.Node, Any] = {tangent: seed,
+                                   **{by_name[g]: ZERO for g in block.other_tangents}}
+        dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         last = seed
         for index, (ready, members) in enumerate(pieces):
             order = {n: i for i, n in enumerate(graph.nodes)}
@@ -118,26 +125,29 @@ def schedule_early_backward(
                     else dataclasses.replace(early_meta, piece=index))
             if index == 0:
                 set_meta(seed, meta)
-            for node in [n for n in graph.nodes if n in members]:  # graph order: topological
-                with graph.inserting_after(last):
-                    clone = graph.node_copy(node, lambda a: env.get(a, a))
-                _tag_forward(clone, meta)
-                env[node] = clone
-                last = clone
+            made: list[fx.Node] = []
 
-        _scale_partials(graph, block, by_name, env, to_clone, cfg.seed, fake_mode)
+            def tag(node: fx.Node, meta: NodeMeta = meta) -> None:
+                _tag_forward(node, meta)
+                made.append(node)
+
+            for node in [n for n in graph.nodes if n in members]:  # graph order: topological
+                with graph.inserting_before(last.next):
+                    env[node] = copy_folding_zeros(graph, node, env, dependent,
+                                                   fake_mode=fake_mode, made=tag)
+                if made:
+                    last = made[-1]
+        late = (_copy_late(graph, comp, tangent, by_name, dependent, fake_mode)
+                if block.other_tangents else {})
+
+        _scale_partials(graph, block, by_name, env, late, to_clone, cfg.seed, fake_mode)
 
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
-                early_grad = env[by_name[grad_name]]
-                set_meta(early_grad,
-                         dataclasses.replace(get_meta(early_grad), grad_of=primal_index))
-                scale = _loss_grad_scale(graph, tangent, val_of(early_grad).dtype, cfg.seed,
-                                         fake_mode)
-                scaled = call_with_val(graph, aten.mul.Tensor, (early_grad, scale),
-                                       fake_mode=fake_mode)
-                set_meta(scaled, NodeMeta(Role.GRAD_SCALE, block=block.id, grad_of=primal_index))
-                outputs[num_fwd_outputs + primal_index] = scaled
+                grad = by_name[grad_name]
+                outputs[num_fwd_outputs + primal_index] = _returned_grad(
+                    graph, block, primal_index, env[grad], late.get(grad, ZERO), tangent,
+                    cfg.seed, fake_mode)
 
     out.args = (tuple(outputs),)
     graph.eliminate_dead_code()
@@ -172,6 +182,38 @@ def _pieces(comp, by_name: dict[str, fx.Node],
     return pieces
 
 
+def _copy_late(graph: fx.Graph, comp, tangent: fx.Node, by_name: dict[str, fx.Node],
+               dependent: set[fx.Node], fake_mode: Any) -> dict[fx.Node, Any]:
+    """The backward's part of a block that reads other tangents besides its loss's: each
+    node that depends on the loss tangent ``T`` copied with ``T`` zero, right after it
+    (`copy_folding_zeros`); a node that does not is read as it is. Returns the original ->
+    copy (or ``ZERO``) map."""
+    late: dict[fx.Node, Any] = {tangent: ZERO}
+    members = {by_name[n] for n in comp.seeds + comp.nodes}
+    for node in [n for n in graph.nodes if n in members]:  # graph order: topological
+        if not any(a in late for a in node.all_input_nodes):
+            continue
+        with graph.inserting_before(node.next):
+            late[node] = copy_folding_zeros(graph, node, late, dependent, fake_mode=fake_mode)
+    return late
+
+
+def _returned_grad(graph: fx.Graph, block: Block, primal_index: int, early: Any, late: Any,
+                   tangent: fx.Node, seed: float, fake_mode: Any) -> Any:
+    """What the joint graph returns as the gradient of primal ``primal_index``: the early
+    gradient scaled, ``T / s * early`` (tagged ``GRAD_SCALE``), plus the backward's part
+    ``late`` when the block reads other tangents; either alone where the other is zero."""
+    if early is ZERO:
+        return late
+    set_meta(early, dataclasses.replace(get_meta(early), grad_of=primal_index))
+    scale = _loss_grad_scale(graph, tangent, val_of(early).dtype, seed, fake_mode)
+    scaled = call_with_val(graph, aten.mul.Tensor, (early, scale), fake_mode=fake_mode)
+    set_meta(scaled, NodeMeta(Role.GRAD_SCALE, block=block.id, grad_of=primal_index))
+    if late is ZERO:
+        return scaled
+    return call_with_val(graph, aten.add.Tensor, (scaled, late), fake_mode=fake_mode)
+
+
 def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:
     set_meta(node, meta)
     # NB: the stock partitioners keep nodes tagged is_forward in the forward graph.
@@ -179,25 +221,42 @@ def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:
 
 
 def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
-                    env: dict[fx.Node, fx.Node], cloned: set[str], seed: float,
-                    fake_mode: Any) -> None:
-    """The sums in the backward read ``T / s *`` each early part instead of the part."""
+                    env: dict[fx.Node, Any], late: dict[fx.Node, Any], cloned: set[str],
+                    seed: float, fake_mode: Any) -> None:
+    """The sums in the backward read ``T / s *`` each early part instead of the part (plus
+    the backward's own part of it, ``late``, for a block that reads other tangents)."""
     tangent = by_name[block.tangent]
     for name in block.component.partials:
         original = by_name[name]
         users = [u for u in original.users if u.name not in cloned]
-        with graph.inserting_after(original):
-            scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, seed, fake_mode)
-            scaled = call_with_val(graph, aten.mul.Tensor, (env[original], scale),
-                                   fake_mode=fake_mode)
-        set_meta(scaled, NodeMeta(Role.PARTIAL_SCALE, block=block.id))
+        early, rest = env[original], late.get(original, ZERO) if late else ZERO
+        if early is ZERO:
+            replacement = rest
+        else:
+            anchor = rest if isinstance(rest, fx.Node) and rest is not original else original
+            with graph.inserting_before(anchor.next):
+                scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, seed,
+                                         fake_mode)
+                replacement = call_with_val(graph, aten.mul.Tensor, (early, scale),
+                                            fake_mode=fake_mode)
+                set_meta(replacement, NodeMeta(Role.PARTIAL_SCALE, block=block.id))
+                if rest is not ZERO:
+                    replacement = call_with_val(graph, aten.add.Tensor, (replacement, rest),
+                                                fake_mode=fake_mode)
+        if replacement is ZERO:
+            raise GraphInvariantError(PASS_NAME, "a gradient part is zero in both the early and "
+                                      "the late copy", node=name)
         for user in users:
-            user.replace_input_with(original, scaled)
+            user.replace_input_with(original, replacement)
 
 
 def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
-    """``T / seed`` in the gradient's dtype: one scalar node per use (or the tangent itself)."""
+    """``T / seed``, 0-d, in the gradient's dtype: one scalar node per use (or the tangent
+    itself). A one-element tangent of shape ``[1]`` is viewed as 0-d first, so the scale
+    broadcasts to the gradient's own shape."""
     scale = tangent
+    if val_of(tangent).dim() != 0:
+        scale = call_with_val(graph, aten.view.default, (scale, []), fake_mode=fake_mode)
     if val_of(tangent).dtype != dtype:
         scale = call_with_val(graph, aten._to_copy.default, (scale,), {"dtype": dtype},
                               fake_mode=fake_mode)
@@ -215,10 +274,15 @@ def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
         meta = get_meta(node)
         if meta is not None and meta.role is Role.EARLY_BACKWARD and node in reads_tangent:
             raise GraphInvariantError(PASS_NAME, "an early node reads a tangent", node=node.name)
-    expected = {(b.id, i) for b in analysis.blocks for i, _ in b.component.grad_outputs}
+    # NB: a block that reads other tangents returns T/s * early + its backward's part,
+    # or its backward's part alone for a gradient its loss term does not reach
+    declared = {(b.id, i) for b in analysis.blocks for i, _ in b.component.grad_outputs}
+    split = {b.id for b in analysis.blocks if b.other_tangents}
     grads = list(output_node(gm.graph).args[0])[analysis.num_fwd_outputs:]
     found = set()
     for index, grad in enumerate(grads):
+        if isinstance(grad, fx.Node) and grad.target is aten.add.Tensor:
+            grad = grad.args[0]
         if not isinstance(grad, fx.Node) or grad.target is not aten.mul.Tensor:
             continue
         early, scale = grad.args
@@ -229,8 +293,9 @@ def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
             raise GraphInvariantError(PASS_NAME, "early gradient scaled by a constant",
                                       node=grad.name)
         found.add((meta.block, index))
-    if found != expected:
-        missing = sorted(expected - found)
+    expected = {(block, i) for block, i in declared if block not in split}
+    if not expected <= found <= declared:
+        missing = sorted(expected - found) or sorted(found - declared)
         raise GraphInvariantError(PASS_NAME, f"early gradients not returned as T*grad: {missing}")
     expected_parts = {b.id: len(b.component.partials) for b in analysis.blocks}
     parts: dict[int, int] = {}
@@ -248,6 +313,8 @@ def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
             raise GraphInvariantError(PASS_NAME, "a gradient part unscaled or unread",
                                       node=node.name)
         parts[meta.block] = parts.get(meta.block, 0) + 1
-    if {k: v for k, v in parts.items()} != {k: v for k, v in expected_parts.items() if v}:
+    unsplit = {k: v for k, v in parts.items() if k not in split}
+    if (unsplit != {k: v for k, v in expected_parts.items() if v and k not in split}
+            or any(parts.get(k, 0) > expected_parts[k] for k in split)):
         raise GraphInvariantError(PASS_NAME, f"gradient parts per block {parts}, expected "
                                   f"{expected_parts}")

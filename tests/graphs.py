@@ -164,6 +164,59 @@ class Chain(nn.Module):
         return loss
 
 
+class OneElementLossChain(Chain):
+    """A Chain whose loss is accumulated into ``torch.zeros(1)``: shape ``[1]``, not 0-d."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = torch.zeros(1, device=x.device)
+        h = x
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            loss = loss + F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return loss
+
+
+class LoggedChain(Chain):
+    """A Chain that keeps each stage's mean activation on the module for logging: tensors with
+    history that nobody differentiates, so each stage's backward reads their tangents too."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = x.new_zeros(())
+        h = x
+        self.logged = []
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            self.logged.append(h.mean(0))
+            loss = loss + F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return loss
+
+
+class HookedChain(Chain):
+    """A Chain whose stages' outputs forward hooks capture (as feature extractors do)."""
+
+    def __init__(self, stages: int = 3):
+        super().__init__(stages)
+        self.captured: dict[int, torch.Tensor] = {}
+        for i, stage in enumerate(self.stages):
+            stage.register_forward_hook(
+                lambda module, args, out, i=i: self.captured.__setitem__(i, out))
+
+
+class LossAndLocalLosses(Chain):
+    """Returns the loss and each stage's local loss (for logging): one-element outputs
+    besides the loss; the loss is the one autograd starts from."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        h, locals_ = x, []
+        for stage, head in zip(self.stages, self.heads):
+            h = stage(h)
+            locals_.append(F.cross_entropy(head(h), labels))
+            h = h.detach()
+        return sum(locals_), locals_
+
+
 class SoftLabelChain(Chain):
     """A Chain whose heads learn label-smoothed targets made in the forward
     (``one_hot(labels) * 0.9 + 0.1 / classes``): one batch x classes value, the same in every

@@ -1,0 +1,215 @@
+"""Losses as users write them: one-element ``[1]`` losses, and outputs besides the loss whose
+gradients a block's backward reads (tensors kept for logging, activations hooks capture,
+local losses returned beside the total).
+
+The backward is linear in all its tangents together, ``B(T, g) = B(T, 0) + B(0, g)``: the loss
+term's part runs early, the other outputs' part stays in the backward, and costs nothing when
+they get no gradient (`specialize_unused_tangents`, `erase_fx.emit.live_tangents`).
+"""
+import copy
+
+import pytest
+import torch
+
+from erase_fx.config import EraseConfig
+from erase_fx.emit import live_tangents
+from erase_fx.passes import RejectReason, Role, get_meta, run_pass
+from erase_fx.passes.graph import is_tangent, output_values
+from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS, SPECIALIZE_UNUSED_TANGENTS
+from graphs import (
+    Chain,
+    HookedChain,
+    LoggedChain,
+    LossAndLocalLosses,
+    OneElementLossChain,
+    Stages,
+    assert_outputs_close,
+    assert_same_grads,
+    chain_inputs,
+    check_parity,
+    real_values,
+    run_joint,
+    trace_joint,
+)
+
+aten = torch.ops.aten
+CFG = EraseConfig(inner="aot_eager")
+
+
+def analyse(model, *inputs):
+    joint = trace_joint(model, *inputs)
+    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                     num_fwd_outputs=joint.num_fwd_outputs)
+    return joint, found.artifact
+
+
+# -- one-element losses ---------------------------------------------------------------
+
+
+def test_a_loss_of_shape_one_makes_blocks_as_a_0d_loss_does():
+    _, zero_d = analyse(Chain(4), *chain_inputs())
+    _, one = analyse(OneElementLossChain(4), *chain_inputs())
+    assert len(one.blocks) == len(zero_d.blocks) == 3
+    assert [r.reason for r in one.rejected] == [RejectReason.LAST_BLOCK]
+
+
+def test_a_loss_of_shape_one_is_seeded_in_its_shape_and_scaled_as_0d():
+    stages = Stages(OneElementLossChain(3), chain_inputs(), CFG)
+    gm = stages.scheduled.gm
+    seeds = [n for n in gm.graph.nodes
+             if n.target is aten.full.default and (m := get_meta(n)) and m.block is not None]
+    assert [s.args[0] for s in seeds] == [[1], [1]]
+    grads = [g for g in output_values(gm.graph)[stages.joint.num_fwd_outputs:]
+             if g is not None and get_meta(g) is not None and get_meta(g).role is Role.GRAD_SCALE]
+    scales = {g.args[1] for g in grads}
+    assert scales and all(s.target is aten.view.default and s.args[1] == [] for s in scales)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_a_loss_of_shape_one_trains_as_eager(scale):
+    # NB: bitwise at T == 1; at T == 3, T * grad(1) and grad(T) round differently
+    check_parity(OneElementLossChain(3), chain_inputs, loss_of=lambda loss: scale * loss,
+                 rtol=0 if scale == 1 else 1e-5, atol=0 if scale == 1 else 1e-6)
+
+
+# -- other outputs' tangents --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [LoggedChain, HookedChain, LossAndLocalLosses],
+                         ids=["logged", "hooked", "local-losses"])
+def test_blocks_that_read_other_outputs_gradients_run_early(model):
+    _, analysis = analyse(model(3), *chain_inputs())
+    assert len(analysis.blocks) == 2
+    assert all(b.other_tangents for b in analysis.blocks)
+    assert {r.reason for r in analysis.rejected} == {RejectReason.LAST_BLOCK}
+
+
+def test_the_loss_tangent_is_the_accumulated_loss_not_a_local_one_beside_it():
+    joint, analysis = analyse(LossAndLocalLosses(3), *chain_inputs())
+    outputs = output_values(joint.gm.graph)
+    total = outputs[0]
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    for block in analysis.blocks:
+        desc = by_name[block.tangent].meta["desc"]
+        assert desc.output.idx == 0, f"block {block.id} seeded for {desc}, not the total loss"
+        assert total is not None
+
+
+@pytest.mark.parametrize("model", [LoggedChain, LossAndLocalLosses], ids=["logged", "local-losses"])
+def test_the_rewritten_joint_graph_equals_the_original_for_any_tangents(model):
+    """B(T, g) = T/s * B(s, 0) + B(0, g) on real values: every output, random tangents."""
+    stages = Stages(model(3), chain_inputs(), CFG)
+    values = real_values(stages.joint.gm, generator=torch.Generator().manual_seed(0))
+    expected = run_joint(stages.joint.gm, values)
+    assert_outputs_close(run_joint(stages.scheduled.gm, values), expected)
+
+
+def test_the_early_copy_reads_no_tangent_and_the_late_part_is_added():
+    stages = Stages(LoggedChain(3), chain_inputs(), CFG)
+    gm = stages.scheduled.gm
+    reads: set = set()
+    for node in gm.graph.nodes:
+        if is_tangent(node) or any(a in reads for a in node.all_input_nodes):
+            reads.add(node)
+        meta = get_meta(node)
+        assert not (meta and meta.role is Role.EARLY_BACKWARD and node in reads), node.name
+    grads = output_values(gm.graph)[stages.joint.num_fwd_outputs:]
+    added = [g for g in grads if g is not None and g.target is aten.add.Tensor]
+    assert added and all(get_meta(g.args[0]).role is Role.GRAD_SCALE for g in added)
+
+
+def test_the_specialized_backward_reads_no_unused_tangent_and_equals_the_whole_at_zero():
+    stages = Stages(LoggedChain(3), chain_inputs(), CFG)
+    unused = sorted({t for b in stages.analysis.blocks for t in b.other_tangents})
+    lean = run_pass(SPECIALIZE_UNUSED_TANGENTS, stages.bw, CFG, unused_tangents=unused)
+    assert lean.modified and lean.gm is not stages.bw
+    placeholders = {n.name: n for n in lean.gm.graph.find_nodes(op="placeholder")}
+    assert all(not placeholders[name].users for name in unused)
+    assert len(lean.gm.graph.nodes) < len(stages.bw.graph.nodes)
+    values = real_values(stages.bw, generator=torch.Generator().manual_seed(1))
+    for name in unused:
+        values[name] = torch.zeros_like(values[name])
+    args = [values[n.name] for n in stages.bw.graph.find_nodes(op="placeholder")]
+    expected = stages.bw(*args)
+    actual = lean.gm(*args)
+    assert_outputs_close(list(actual), list(expected))
+
+
+class _Chosen:
+    """Counts which backward `SelectedBackward` runs."""
+
+    def __init__(self, monkeypatch):
+        self.lean = self.whole = 0
+        original = live_tangents.SelectedBackward.__call__
+
+        def call(selected, args):
+            live = selected.live.take()
+            selected.live._seen.live = live
+            if live is False:
+                self.lean += 1
+            else:
+                self.whole += 1
+            return original(selected, args)
+
+        monkeypatch.setattr(live_tangents.SelectedBackward, "__call__", call)
+
+
+@pytest.mark.parametrize("model", [LoggedChain, HookedChain, LossAndLocalLosses],
+                         ids=["logged", "hooked", "local-losses"])
+def test_outputs_nobody_differentiates_cost_nothing_and_grads_are_bitwise_eager(model,
+                                                                                 monkeypatch):
+    chosen = _Chosen(monkeypatch)
+    loss_of = (lambda out: out[0]) if model is LossAndLocalLosses else (lambda out: out)
+    check_parity(model(3), chain_inputs, loss_of=loss_of, steps=3, rtol=0, atol=0)
+    assert (chosen.lean, chosen.whole) == (3, 0)
+
+
+def test_outputs_that_get_a_gradient_are_added_exactly(monkeypatch):
+    chosen = _Chosen(monkeypatch)
+    eager, erased = LoggedChain(3), None
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    for _ in range(2):
+        inputs = chain_inputs()
+        for module in (eager, erased):
+            module.zero_grad(set_to_none=True)
+        for module, run in ((eager, eager), (erased, compiled)):
+            loss = run(*inputs)
+            (loss + 0.5 * module.logged[0].sum() - module.logged[1].square().sum()).backward()
+        assert_same_grads(eager, erased)
+    assert (chosen.lean, chosen.whole) == (0, 2)
+
+
+def test_local_losses_differentiated_instead_of_the_total_equal_stock_aot_eager(monkeypatch):
+    """NB: against stock aot_eager, not eager: a compiled graph hands zeros, where eager has
+    None, to a parameter that only an output without a gradient reaches (stage 1's here)."""
+    chosen = _Chosen(monkeypatch)
+    model = LossAndLocalLosses(3)
+    stock, erased = copy.deepcopy(model), copy.deepcopy(model)
+    runs = [(stock, torch.compile(stock, backend="aot_eager")),
+            (erased, torch.compile(erased, backend="erase",
+                                   options={"inner": "aot_eager", "on_error": "raise"}))]
+    for _ in range(2):
+        inputs = chain_inputs()
+        for module, run in runs:
+            module.zero_grad(set_to_none=True)
+            _, local_losses = run(*inputs)
+            (local_losses[0] + local_losses[2]).backward()
+        assert_same_grads(stock, erased)
+        assert torch.count_nonzero(erased.stages[1][0].weight.grad) == 0
+    assert (chosen.lean, chosen.whole) == (0, 2)
+
+
+def test_with_inductor_the_split_blocks_equal_stock_inductor():
+    torch.manual_seed(0)
+    model = LoggedChain(3)
+    stock, erased = copy.deepcopy(model), copy.deepcopy(model)
+    runs = [(stock, torch.compile(stock, backend="inductor")),
+            (erased, torch.compile(erased, backend="erase", options={"on_error": "raise"}))]
+    for _ in range(2):
+        inputs = chain_inputs()
+        for module, run in runs:
+            module.zero_grad(set_to_none=True)
+            run(*inputs).backward()
+        assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
