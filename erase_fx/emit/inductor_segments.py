@@ -52,6 +52,12 @@ the FX graph, each a copy). So:
   logits and their gradient).
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
   the FX strides, the simple rule that needs no symbolic stride algebra.
+- **Unbacked sizes** (a boolean mask's row count, under
+  ``capture_dynamic_output_shape_ops``), in a graph whose inputs are static:
+  a segment returns the size itself (a SymInt) to the segments that read it,
+  and Inductor reports no strides for it, nor for a tensor whose strides
+  hold it, as in a whole-graph compile. Those keep their FX strides, in their
+  readers and in the backward, as AOTAutograd assumes for stock Inductor.
 
 Inductor's generated code assumes the strides of its example inputs, so the
 strides a segment is compiled for must be those its producer makes: they are
@@ -137,7 +143,7 @@ def compile_inductor_segments(
         keep = keep_inplace_writes and segmented.segment(call.target).stream != MAIN_STREAM
         with _fusion(keep, call.target), TracingContext.report_output_strides() as reported:
             compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-        if not keep_fx_strides and not _dense(segment, reported, held):
+        if not keep_fx_strides and not _unpadded(segment, reported, held):
             # NB: Inductor's FX graph cache keys a graph by its code, not by
             # which outputs are user-visible: the same segment code cached
             # with other outputs visible can come back with other strides.
@@ -146,7 +152,7 @@ def compile_inductor_segments(
             with _fusion(keep, call.target), inductor_config.patch(fx_graph_cache=False), \
                     TracingContext.report_output_strides() as reported:
                 compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-            if not _dense(segment, reported, held):
+            if not _unpadded(segment, reported, held):
                 raise GraphInvariantError(
                     WHERE, f"Inductor padded user-visible outputs {held} of {call.target}")
         for i, node in getitems.items():
@@ -155,7 +161,7 @@ def compile_inductor_segments(
             # what was made, visible or not, so that readers and the backward
             # are compiled for it.
             strides[node] = None if keep_fx_strides else _reported_stride(
-                reported, i, call.target)
+                segment, reported, i, call.target)
     if context is not None and context.output_strides is not None:
         context.output_strides.extend(
             strides.get(value) if isinstance(value, fx.Node) else None for value in results)
@@ -270,28 +276,61 @@ def _restrided(value: torch.Tensor, stride: Stride) -> torch.Tensor:
         return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
 
 
-def _dense(segment: fx.GraphModule, reported: Sequence[Any] | None,
-           indices: Sequence[int]) -> bool:
-    """Whether the outputs at ``indices`` came out unpadded (a cache entry may have padded them)."""
+def _unpadded(segment: fx.GraphModule, reported: Sequence[Any] | None,
+              indices: Sequence[int]) -> bool:
+    """Whether the outputs at ``indices`` came out unpadded (a cache entry may have padded them).
+
+    Unpadded: the strides the segment's FX graph gives the output (those
+    Inductor recorded from the segment's re-strided inputs, or those of the
+    trace), or any dense layout (a layout Inductor re-derived, channels-last
+    from a channels-last input). NB: not "dense" alone: a view of a larger
+    tensor (a task's slice of a stacked tensor, returned to the user) is not
+    dense in eager either, and Inductor keeps it at its FX strides.
+    """
     if reported is None:
         return True  # no tracing context: nothing reported, all outputs kept visible
     values = output_values(segment.graph)
+    recorded = output_node(segment.graph).meta.get("original_output_strides") or ()
     for i in indices:
         strides = reported[i] if i < len(reported) else None
         value = values[i].meta.get("val") if isinstance(values[i], fx.Node) else None
         if (strides is None or not isinstance(value, torch.Tensor)
                 or not all(isinstance(s, int) for s in (*strides, *value.shape))):
             continue
-        if not is_dense_layout(tuple(value.shape), tuple(strides)):
+        fx_strides = {tuple(value.stride())}
+        if i < len(recorded) and recorded[i] is not None:
+            fx_strides.add(tuple(recorded[i]))
+        if tuple(strides) not in fx_strides and not is_dense_layout(tuple(value.shape),
+                                                                     tuple(strides)):
             return False
     return True
 
 
-def _reported_stride(reported: Sequence[Any] | None, index: int, segment: str) -> Stride:
-    """The strides Inductor gave output ``index`` of a segment (static shapes: integers)."""
+def _reported_stride(segment: fx.GraphModule, reported: Sequence[Any] | None, index: int,
+                     name: str) -> Stride | None:
+    """The strides Inductor gave output ``index`` of segment ``name`` (static shapes: integers).
+
+    None where there are none to give: for a size (a SymInt the segment
+    returns: the row count of a boolean mask, under
+    ``capture_dynamic_output_shape_ops``, that its readers need), and for a
+    tensor whose FX strides hold such an unbacked size. Inductor reports no
+    strides for those, in a whole-graph compile too, and AOTAutograd then
+    takes the FX graph's; so do the segments that read them.
+    """
     value = reported[index] if reported is not None and index < len(reported) else None
+    if value is None and not _has_static_strides(output_values(segment.graph)[index]):
+        return None
     if value is None or not all(isinstance(s, int) for s in value):
         raise GraphInvariantError(
-            WHERE, f"Inductor reported no static strides for output {index} of {segment}; "
+            WHERE, f"Inductor reported no static strides for output {index} of {name}; "
                    "its readers could not be compiled for them")
     return tuple(value)
+
+
+def _has_static_strides(value: Any) -> bool:
+    """Whether an FX value is a tensor whose strides hold no unbacked symbol (a data-dependent
+    size); not for a SymInt, which has no strides."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    example = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(example, torch.Tensor) and not free_unbacked_symbols(example.stride())
