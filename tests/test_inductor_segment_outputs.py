@@ -154,3 +154,16 @@ def test_unbacked_sizes_between_detached_blocks_compile_in_segments(inner):
                 assert_same_grads(reference, erased, rtol=1e-4, atol=1e-5)
     (report,) = reports
     assert len(report.blocks) == 1 and report.fallback_reason is None
+
+
+@pytest.mark.usefixtures("data_dependent_shapes")
+def test_a_graph_with_unbacked_sizes_is_refused_cuda_graphs_as_stock_inductor_refuses_it():
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    from erase_fx.emit.cudagraphs import data_dependent_refusal
+    from graphs import Chain, chain_inputs, trace_joint
+
+    masked = trace_joint(MaskedChain(), *masked_inputs()).gm
+    assert get_first_incompatible_cudagraph_node(masked) is not None
+    assert data_dependent_refusal(masked).startswith("data-dependent sizes or values (node ")
+    assert data_dependent_refusal(trace_joint(Chain(3), *chain_inputs()).gm) is None
