@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from erase_fx.backend import make_backend
+from erase_fx.config import EraseConfig
 from erase_fx.errors import EraseError
 from erase_fx.graph_breaks import graph_break_of
+from erase_fx.instruments import dump_instrument_for
 from erase_fx.report import GraphReport, collect_reports
 
 #: Dynamo's limits on versions of one function's compiled code. Each explain
@@ -54,9 +56,10 @@ def explain(
     forward eagerly), rather than returning an empty list.
     """
     options = {"inner": "aot_eager", **(erase_options or {})}
+    dump_dir = EraseConfig.from_options(options).dump_dir
     with collect_reports() as reports, _state_kept(model), torch.enable_grad(), \
             _unlimited_recompiles():
-        backend = _noting_graph_breaks(make_backend(**options), reports)
+        backend = _noting_graph_breaks(make_backend(**options), reports, dump_dir)
         torch.compile(model, backend=backend)(*example_args, **example_kwargs)
     if not reports:
         raise EraseError("explain", "torch.compile produced no graph for this model: Dynamo "
@@ -65,8 +68,10 @@ def explain(
     return list(reports)
 
 
-def _noting_graph_breaks(backend: Callable[..., Any], reports: list[GraphReport]) -> Any:
-    """``backend``, each report it publishes given the graph break that ended its graph."""
+def _noting_graph_breaks(backend: Callable[..., Any], reports: list[GraphReport],
+                         dump_dir: str | None) -> Any:
+    """``backend``, each report it publishes given the graph break that ended its graph (in
+    the dump's ``report.json`` too, with a ``dump_dir``)."""
 
     def compile_noting_graph_break(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         first = len(reports)
@@ -75,6 +80,10 @@ def _noting_graph_breaks(backend: Callable[..., Any], reports: list[GraphReport]
         if graph_break is not None:
             reports[first:] = [dataclasses.replace(report, graph_break=graph_break)
                                for report in reports[first:]]
+            for report in reports[first:]:
+                dump = dump_instrument_for(dump_dir, report.graph_id)
+                if dump is not None:
+                    dump.write_report(report)
         return compiled
 
     return compile_noting_graph_break

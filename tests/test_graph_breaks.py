@@ -100,6 +100,12 @@ def test_a_graph_break_round_trips_through_json():
     assert "ends at a graph break at" in reports[0].summary()
 
 
+def test_the_dumps_report_holds_the_graph_break(tmp_path):
+    first, _ = erase_fx.explain(ItemLogged(), *inputs(), erase_options={"dump_dir": str(tmp_path)})
+    dumped = json.loads((tmp_path / f"graph_{first.graph_id}" / "report.json").read_text())
+    assert dumped["graph_break"]["line"] == line_of(ItemLogged, "ITEM_LINE")
+
+
 def test_the_cli_prints_the_graph_break(capsys):
     from erase_fx import cli
 
