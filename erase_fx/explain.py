@@ -41,7 +41,9 @@ def explain(
     attributes its modules' forwards set (a tensor kept for logging, a
     counter, a list appended to) and the random number generators (dropout).
     What the forward or its hooks change outside the model's modules (a
-    list a hook appends to, a global) is not put back.
+    list a hook appends to, a global) is not put back. A model with lazy
+    parameters not yet initialized (``nn.LazyLinear``) is refused with
+    `EraseError`: its first forward turns its lazy modules into others.
 
     Each `GraphReport` lists the early blocks (parameters, ready point,
     stream, node count, estimated FLOPs) and the components left in the
@@ -107,6 +109,7 @@ def _state_kept(model: Any) -> Iterator[None]:
     generators as they were before (see `explain`)."""
     root = _root_module(model)
     modules = list(root.modules()) if root is not None else []
+    _refuse_lazy_parameters(modules)
     tensors = _TensorValues(modules)
     attributes = [_ModuleAttributes(module) for module in modules]
     with torch.random.fork_rng(devices=_cuda_devices()):
@@ -116,6 +119,21 @@ def _state_kept(model: Any) -> Iterator[None]:
             for kept in attributes:
                 kept.restore()
             tensors.restore()
+
+
+def _refuse_lazy_parameters(modules: list[torch.nn.Module]) -> None:
+    """Raise `EraseError` for a model with uninitialized lazy parameters (``nn.LazyLinear``):
+    its first forward turns the lazy modules into others, which cannot be put back."""
+    from torch.nn.parameter import is_lazy
+
+    for module in modules:
+        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is not None and is_lazy(tensor):
+                raise EraseError(
+                    "explain", f"the model has an uninitialized lazy parameter or buffer "
+                               f"({type(module).__name__}.{name}); its first forward would "
+                               "initialize it, which explain cannot undo",
+                    fix="run one forward of the model on a batch before explaining it")
 
 
 def _cuda_devices() -> list[int]:

@@ -5,6 +5,7 @@ instance cannot be pickled, so ``copy.deepcopy`` fails), so explain runs
 the user's model and restores its tensors' values, its modules' attributes
 and the random number generators.
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,3 +96,10 @@ def test_a_write_through_data_is_put_back_and_an_untouched_tensor_keeps_its_vers
     kept.restore()
     assert torch.equal(module.weight, weight)
     assert module.bias._version == bias_version
+
+
+def test_a_model_with_lazy_parameters_is_refused_with_the_fix_and_left_lazy():
+    model = nn.Sequential(nn.LazyLinear(5))
+    with pytest.raises(erase_fx.EraseError, match="run one forward of the model on a batch"):
+        erase_fx.explain(model, torch.randn(4, 3))
+    assert isinstance(model[0], nn.LazyLinear)
