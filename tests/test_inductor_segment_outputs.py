@@ -10,7 +10,9 @@ default fallback would hide them behind a stock compile):
   the segments' padding check took for padding;
 - a boolean mask between detached blocks under
   ``capture_dynamic_output_shape_ops``: values whose sizes are unbacked
-  symbols cross segments, and Inductor reports no strides for those.
+  symbols cross segments (the row count itself, a SymInt), and Inductor
+  reports no strides for those; and a segment reading a tensor of
+  data-dependent size was told by its input's meta that it binds the size.
 """
 import copy
 
@@ -104,23 +106,26 @@ def test_a_view_at_its_fx_strides_is_not_taken_for_padding(strides, unpadded):
 
 
 class MaskedChain(nn.Module):
-    """Two detached blocks with local heads; the second reads only the rows the first keeps
-    (a boolean mask: the row count is data-dependent)."""
+    """Three detached blocks with local heads; the second and third read only the rows the
+    first keeps (a boolean mask: the row count is data-dependent). The second block reads
+    them through a features-major copy, whose strides hold the row count."""
 
     def __init__(self, d: int = 16, classes: int = 5):
         super().__init__()
-        self.b1 = nn.Sequential(nn.Linear(d, d), nn.ReLU())
-        self.head1 = nn.Linear(d, classes)
-        self.b2 = nn.Sequential(nn.Linear(d, d), nn.ReLU())
-        self.head2 = nn.Linear(d, classes)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(3))
+        self.heads = nn.ModuleList(nn.Linear(d, classes) for _ in range(3))
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.b1(x)
-        loss = F.cross_entropy(self.head1(h), labels)
+        h = self.blocks[0](x)
+        loss = F.cross_entropy(self.heads[0](h), labels)
         h = h.detach()
         kept = h.sum(-1) > 0
-        h, labels = self.b2(h[kept]), labels[kept]
-        return loss + F.cross_entropy(self.head2(h), labels)
+        features_major = h[kept].t().contiguous()  # (d, rows): strides (rows, 1)
+        labels = labels[kept]
+        h = self.blocks[1](features_major.t())
+        loss = loss + F.cross_entropy(self.heads[1](h), labels)
+        h = self.blocks[2](h.detach())
+        return loss + F.cross_entropy(self.heads[2](h), labels)
 
 
 def masked_inputs(batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +158,7 @@ def test_unbacked_sizes_between_detached_blocks_compile_in_segments(inner):
             else:
                 assert_same_grads(reference, erased, rtol=1e-4, atol=1e-5)
     (report,) = reports
-    assert len(report.blocks) == 1 and report.fallback_reason is None
+    assert len(report.blocks) == 2 and report.fallback_reason is None
 
 
 @pytest.mark.usefixtures("data_dependent_shapes")

@@ -123,6 +123,7 @@ def compile_inductor_segments(
     compiled: dict[str, BoxedCallable] = {}
     for call in top.find_nodes(op="call_module"):
         segment = getattr(segmented.gm, call.target)
+        drop_unbacked_bindings_of_inputs(segment)
         inputs = _inputs_with_strides(segment, call.args, strides)
         getitems = {user.args[1]: user for user in call.users}
         held = sorted(i for i, node in getitems.items() if node in visible)
@@ -245,6 +246,24 @@ def _memory_format(value: Any) -> torch.memory_format | None:
         if value.dim() == dim and value.is_contiguous(memory_format=memory_format):
             return memory_format
     return None
+
+
+def drop_unbacked_bindings_of_inputs(segment: fx.GraphModule) -> list[str]:
+    """Drop the ``unbacked_bindings`` a segment's inputs carry; the names of those inputs.
+
+    torch's ``split_module`` copies each input's meta from the node that made
+    it, so a tensor of data-dependent size (a boolean mask's rows) read in a
+    later segment says there that it binds its unbacked size. Inductor then
+    asserts its input's lowering binds it (it binds a placeholder's sizes
+    from the tensor passed in instead): an input takes a size, only the
+    segment that made it binds one. Stock Inductor skips the check for the
+    backward's inputs, which AOTAutograd's partitioner makes the same way.
+    """
+    dropped = []
+    for node in segment.graph.find_nodes(op="placeholder"):
+        if node.meta.pop("unbacked_bindings", None) is not None:
+            dropped.append(node.name)
+    return dropped
 
 
 def _user_visible_values(whole: fx.GraphModule, results: Sequence[Any]) -> set[Any]:
