@@ -58,6 +58,8 @@ the FX graph, each a copy). So:
   and Inductor reports no strides for it, nor for a tensor whose strides
   hold it, as in a whole-graph compile. Those keep their FX strides, in their
   readers and in the backward, as AOTAutograd assumes for stock Inductor.
+  A reader's inputs bind no unbacked size (`drop_unbacked_bindings_of_inputs`):
+  only the segment that makes the value does.
 
 Inductor's generated code assumes the strides of its example inputs, so the
 strides a segment is compiled for must be those its producer makes: they are
