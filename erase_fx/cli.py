@@ -10,8 +10,9 @@ Subcommands:
   tuple, or ``(model, args, kwargs)``. Prints one table per compiled graph:
   each early block (its stream, parameter count and first names, ready point,
   node count, estimated backward FLOPs and their share of the backward's),
-  the components left in the backward with the reason, and the share of
-  backward FLOPs that runs early; or with ``--json`` the list of
+  the components left in the backward with the reason, the share of
+  backward FLOPs that runs early, and, for a graph Dynamo ended at a graph
+  break, where in the user's code and why; or with ``--json`` the list of
   ``GraphReport.to_dict()``. ``--options`` takes `EraseConfig` fields as a
   JSON object, e.g. ``'{"streams": 2}'``. ``--dump DIR`` writes the dump
   (the ``dump_dir`` option) into ``DIR/graph_<n>/``. Example::
@@ -57,7 +58,7 @@ from erase_fx.errors import EraseError, EraseOptionError
 from erase_fx.instruments import pydot_available
 from erase_fx.profile import DEFAULT_TRACE_PATH
 from erase_fx.report import GraphReport
-from erase_fx.report_text import first_names, format_report
+from erase_fx.report_text import first_names, format_reports
 
 PROG = "erase-fx"
 USAGE_ERROR = 2
@@ -155,7 +156,7 @@ def run_explain(args: argparse.Namespace) -> int:
     elif not reports:
         print("no graph was compiled: the model's forward ran no torch code Dynamo captures")
     else:
-        print("\n\n".join(format_report(r) for r in reports))
+        print(format_reports(reports))
     if options.get("dump_dir") is not None and reports:
         # NB: on stderr with --json, so that stdout stays one JSON document.
         print(dump_message(options["dump_dir"], reports), file=sys.stderr if args.json else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,57 @@ class RejectedReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphBreakReport:
+    """Where and why Dynamo ended a graph before the end of the user's function: a graph break.
+
+    The code after it runs in the next graph Dynamo compiles (or eagerly), so
+    no backward in this graph can overlap that code's forward from inside it.
+    Made by `erase_fx.graph_breaks.graph_break_of` from Dynamo's own record.
+
+    Attributes:
+        reason: Dynamo's name for the break, one line, e.g. ``Unsupported
+            Tensor.item() call with capture_scalar_outputs=False`` or
+            ``Dynamic shape operator``.
+        explanation: Dynamo's explanation ("" where it gives none).
+        hints: Dynamo's hints: what to change.
+        file: the file of the user's code the break is in: the innermost
+            frame of the break's stack outside torch's own sources.
+        line: the line number there.
+        function: the function there (Dynamo names the code after an
+            earlier break ``torch_dynamo_resume_in_<function>_at_<line>``).
+        code: that line of source, stripped ("" when unknown).
+        inside_torch: the torch function the break happened in, called from
+            that line (``torch.autograd.function.apply``), or "" when the
+            break is in the user's code itself.
+        documentation: Dynamo's page about this kind of break, or "".
+    """
+
+    reason: str
+    explanation: str = ""
+    hints: tuple[str, ...] = ()
+    file: str = ""
+    line: int = 0
+    function: str = ""
+    code: str = ""
+    inside_torch: str = ""
+    documentation: str = ""
+
+    @property
+    def where(self) -> str:
+        """``file:line``, the file relative to the working folder when inside it."""
+        return f"{short_path(self.file)}:{self.line}" if self.file else "an unknown place"
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working folder if it is inside it, else as it is."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if relative.startswith(os.pardir) else relative
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphReport:
     """erase_fx's decisions about one compiled graph.
 
@@ -123,6 +175,9 @@ class GraphReport:
             forward is compiled.
         whole_early_grads: how many parameters have a whole early gradient (the
             candidates for the above).
+        graph_break: where and why Dynamo ended this graph at a graph break
+            (`GraphBreakReport`), or None where the graph ends where the
+            user's function returns; set by `erase_fx.explain`.
     """
 
     graph_id: int
@@ -141,6 +196,7 @@ class GraphReport:
     boundary_bytes_after: int = 0
     early_updatable: int = 0
     whole_early_grads: int = 0
+    graph_break: GraphBreakReport | None = None
 
     @property
     def early_share(self) -> float:
@@ -214,6 +270,9 @@ class GraphReport:
         )
         if self.fallback_reason:
             text += f"; stock path: {self.fallback_reason}"
+        if self.graph_break is not None:
+            text += (f"; ends at a graph break at {self.graph_break.where} "
+                     f"({self.graph_break.reason})")
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +294,9 @@ class GraphReport:
         data["rejected"] = tuple(
             RejectedReport(**{**r, "params": tuple(r["params"])}) for r in data.get("rejected", ())
         )
+        if data.get("graph_break") is not None:
+            brk = data["graph_break"]
+            data["graph_break"] = GraphBreakReport(**{**brk, "hints": tuple(brk.get("hints", ()))})
         return cls(**data)
 
 

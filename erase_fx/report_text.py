@@ -5,8 +5,14 @@ parameters, ready point (where in the model: module and op) and estimated
 backward FLOPs, then each component left in the backward with its reason,
 and under it the reason in words (wrapped: for loss terms that meet in sums
 of gradients it names the modules where they meet), then the table's key
-(`TABLE_KEY`, which the demo prints once for all its tables).
-`format_table` lays out any rows in left-aligned columns.
+(`TABLE_KEY`, which the demo prints once for all its tables). Where
+Dynamo ended the graph at a graph break, the report says where in the
+user's code (file:line and the line itself), Dynamo's reason, explanation
+and hints, and which graph runs what follows (`graph_break_lines`); a block
+left in the backward as ``last_block`` names that break too.
+`format_reports` renders the reports of one forward, in order, under one
+line that counts its graph breaks. `format_table` lays out any rows in
+left-aligned columns.
 """
 from __future__ import annotations
 
@@ -14,19 +20,35 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from erase_fx.report import BlockReport, GraphReport, RejectedReport
+from erase_fx.report import BlockReport, GraphBreakReport, GraphReport, RejectedReport
 
 #: How many parameter names a table row shows before "...".
 PARAM_NAMES_SHOWN = 2
 
 
-def format_report(report: GraphReport, *, number: int | None = None, key: bool = True) -> str:
+def format_reports(reports: Sequence[GraphReport]) -> str:
+    """`format_report` of each graph, in the order Dynamo compiled them (the order they run in
+    on the first call), each graph break pointing at the graph that follows it."""
+    breaks = sum(1 for report in reports if report.graph_break is not None)
+    preamble = ([f"Dynamo split this forward into {_count(len(reports), 'graph')} at "
+                 f"{_count(breaks, 'graph break')} (each said under the graph it ends)"]
+                if breaks else [])
+    following = [report.graph_id for report in reports[1:]] + [None]
+    return "\n\n".join(preamble + [format_report(report, next_graph=next_graph)
+                                    for report, next_graph in zip(reports, following)])
+
+
+def format_report(report: GraphReport, *, number: int | None = None, key: bool = True,
+                  next_graph: int | None = None) -> str:
     """A readable table of one graph's early blocks and rejected components.
 
     ``number``: the graph's number in the heading (default: its ``graph_id``,
-    which counts graphs across the process); ``key``: end with `TABLE_KEY`.
+    which counts graphs across the process); ``key``: end with `TABLE_KEY`;
+    ``next_graph``: the number of the graph that runs what comes after this
+    graph's graph break, if it has one (None: not known).
     """
-    lines = [_heading(report, report.graph_id if number is None else number)]
+    number = report.graph_id if number is None else number
+    lines = [_heading(report, number)]
     if report.fallback_reason:
         lines.append(f"  stock path: {report.fallback_reason}")
     if report.blocks:
@@ -52,7 +74,10 @@ def format_report(report: GraphReport, *, number: int | None = None, key: bool =
         lines.append(table[0])
         for row, rejected in zip(table[1:], report.rejected):
             lines.append(row)
-            lines += _wrapped(rejected.detail + _at_node(rejected), indent="      ")
+            lines += _wrapped(rejected.detail + _at_node(rejected)
+                              + _separated_by_break(rejected, report), indent="      ")
+    if report.graph_break is not None:
+        lines += graph_break_lines(report.graph_break, number, next_graph)
     if key and (report.blocks or report.rejected):
         lines.append(TABLE_KEY)
     return "\n".join(lines)
@@ -69,6 +94,46 @@ def _at_node(rejected: RejectedReport) -> str:
     if rejected.node_origin is None:
         return f" (node {rejected.node})"
     return f" (at {rejected.node_origin}, node {rejected.node})"
+
+
+def graph_break_lines(graph_break: GraphBreakReport, number: int,
+                      next_graph: int | None) -> list[str]:
+    """Where graph ``number`` ends at a graph break, why (Dynamo's words), what to change, and
+    the graph that runs what follows (``next_graph``; None: not known)."""
+    inside = f", inside {graph_break.inside_torch}" if graph_break.inside_torch else ""
+    after = (f"what follows is graph {next_graph}" if next_graph is not None
+             else "what follows runs in a later graph, or eagerly")
+    lines = _wrapped(f"graph {number} ends at a graph break at {graph_break.where}{inside} "
+                     f"({graph_break.reason}): {after}", indent="  ")
+    if graph_break.code:
+        lines.append(f"      {graph_break.code}")
+    if graph_break.explanation:
+        lines += _wrapped(f"Dynamo: {graph_break.explanation}", indent="    ")
+    for hint in (*graph_break.hints, *_advice(graph_break)):
+        lines += _wrapped(f"hint: {hint}", indent="    ")
+    return lines
+
+
+#: Where a break is in torch's own code, what erase_fx knows the user can change.
+_ADVICE_INSIDE_TORCH = {
+    "torch.autograd.function.apply": (
+        "Dynamo could not trace this autograd.Function's apply; if it is called on an "
+        "instance kept as an attribute (self.fn = MyFunction(); self.fn.apply(x)), call it on "
+        "the class: MyFunction.apply(x)"),
+}
+
+
+def _advice(graph_break: GraphBreakReport) -> tuple[str, ...]:
+    advice = _ADVICE_INSIDE_TORCH.get(graph_break.inside_torch)
+    return (advice,) if advice else ()
+
+
+def _separated_by_break(rejected: RejectedReport, report: GraphReport) -> str:
+    """For a block ready only when its graph's forward ends, the graph break that ends it."""
+    if rejected.reason != "last_block" or report.graph_break is None:
+        return ""
+    return (f"; the graph break at {report.graph_break.where} (below) separates it from "
+            "what follows")
 
 
 #: What the table's columns mean, printed under each graph's table.

@@ -463,6 +463,26 @@ def allocator_refusal() -> str | None:
     return None
 
 
+def data_dependent_refusal(gm: torch.fx.GraphModule) -> str | None:
+    """Why the forward ``gm`` cannot be captured in a CUDA graph for its data-dependent sizes
+    or values, or None.
+
+    A node whose value holds an unbacked symbol (the row count of a boolean
+    mask or ``nonzero``, an ``.item()`` kept in the graph) reads the device
+    from the host: a capture fails there, and a replay would reuse the sizes
+    of the captured step. Stock Inductor refuses such graphs its CUDA graphs
+    the same way (``torch._inductor.utils.get_first_incompatible_cudagraph_node``).
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if value is not None and free_unbacked_symbols(value):
+            return (f"data-dependent sizes or values (node {node.name}: "
+                    f"{getattr(node.target, '__name__', node.target)})")
+    return None
+
+
 def _storage_uses(tensor: torch.Tensor) -> int:
     """How many tensors share this tensor's memory."""
     return _USE_COUNT(tensor.untyped_storage()._cdata)

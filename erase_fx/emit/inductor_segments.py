@@ -52,6 +52,14 @@ the FX graph, each a copy). So:
   logits and their gradient).
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
   the FX strides, the simple rule that needs no symbolic stride algebra.
+- **Unbacked sizes** (a boolean mask's row count, under
+  ``capture_dynamic_output_shape_ops``), in a graph whose inputs are static:
+  a segment returns the size itself (a SymInt) to the segments that read it,
+  and Inductor reports no strides for it, nor for a tensor whose strides
+  hold it, as in a whole-graph compile. Those keep their FX strides, in their
+  readers and in the backward, as AOTAutograd assumes for stock Inductor.
+  A reader's inputs bind no unbacked size (`drop_unbacked_bindings_of_inputs`):
+  only the segment that makes the value does.
 
 Inductor's generated code assumes the strides of its example inputs, so the
 strides a segment is compiled for must be those its producer makes: they are
@@ -117,6 +125,7 @@ def compile_inductor_segments(
     compiled: dict[str, BoxedCallable] = {}
     for call in top.find_nodes(op="call_module"):
         segment = getattr(segmented.gm, call.target)
+        drop_unbacked_bindings_of_inputs(segment)
         inputs = _inputs_with_strides(segment, call.args, strides)
         getitems = {user.args[1]: user for user in call.users}
         held = sorted(i for i, node in getitems.items() if node in visible)
@@ -137,7 +146,7 @@ def compile_inductor_segments(
         keep = keep_inplace_writes and segmented.segment(call.target).stream != MAIN_STREAM
         with _fusion(keep, call.target), TracingContext.report_output_strides() as reported:
             compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-        if not keep_fx_strides and not _dense(segment, reported, held):
+        if not keep_fx_strides and not _unpadded(segment, reported, held):
             # NB: Inductor's FX graph cache keys a graph by its code, not by
             # which outputs are user-visible: the same segment code cached
             # with other outputs visible can come back with other strides.
@@ -146,7 +155,7 @@ def compile_inductor_segments(
             with _fusion(keep, call.target), inductor_config.patch(fx_graph_cache=False), \
                     TracingContext.report_output_strides() as reported:
                 compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-            if not _dense(segment, reported, held):
+            if not _unpadded(segment, reported, held):
                 raise GraphInvariantError(
                     WHERE, f"Inductor padded user-visible outputs {held} of {call.target}")
         for i, node in getitems.items():
@@ -155,7 +164,7 @@ def compile_inductor_segments(
             # what was made, visible or not, so that readers and the backward
             # are compiled for it.
             strides[node] = None if keep_fx_strides else _reported_stride(
-                reported, i, call.target)
+                segment, reported, i, call.target)
     if context is not None and context.output_strides is not None:
         context.output_strides.extend(
             strides.get(value) if isinstance(value, fx.Node) else None for value in results)
@@ -241,6 +250,24 @@ def _memory_format(value: Any) -> torch.memory_format | None:
     return None
 
 
+def drop_unbacked_bindings_of_inputs(segment: fx.GraphModule) -> list[str]:
+    """Drop the ``unbacked_bindings`` a segment's inputs carry; the names of those inputs.
+
+    torch's ``split_module`` copies each input's meta from the node that made
+    it, so a tensor of data-dependent size (a boolean mask's rows) read in a
+    later segment says there that it binds its unbacked size. Inductor then
+    asserts its input's lowering binds it (it binds a placeholder's sizes
+    from the tensor passed in instead): an input takes a size, only the
+    segment that made it binds one. Stock Inductor skips the check for the
+    backward's inputs, which AOTAutograd's partitioner makes the same way.
+    """
+    dropped = []
+    for node in segment.graph.find_nodes(op="placeholder"):
+        if node.meta.pop("unbacked_bindings", None) is not None:
+            dropped.append(node.name)
+    return dropped
+
+
 def _user_visible_values(whole: fx.GraphModule, results: Sequence[Any]) -> set[Any]:
     """The top-level values of the split module that stock Inductor keeps at FX strides."""
     indices = output_node(whole.graph).meta.get("user_visible_output_idxs")
@@ -270,28 +297,61 @@ def _restrided(value: torch.Tensor, stride: Stride) -> torch.Tensor:
         return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
 
 
-def _dense(segment: fx.GraphModule, reported: Sequence[Any] | None,
-           indices: Sequence[int]) -> bool:
-    """Whether the outputs at ``indices`` came out unpadded (a cache entry may have padded them)."""
+def _unpadded(segment: fx.GraphModule, reported: Sequence[Any] | None,
+              indices: Sequence[int]) -> bool:
+    """Whether the outputs at ``indices`` came out unpadded (a cache entry may have padded them).
+
+    Unpadded: the strides the segment's FX graph gives the output (those
+    Inductor recorded from the segment's re-strided inputs, or those of the
+    trace), or any dense layout (a layout Inductor re-derived, channels-last
+    from a channels-last input). NB: not "dense" alone: a view of a larger
+    tensor (a task's slice of a stacked tensor, returned to the user) is not
+    dense in eager either, and Inductor keeps it at its FX strides.
+    """
     if reported is None:
         return True  # no tracing context: nothing reported, all outputs kept visible
     values = output_values(segment.graph)
+    recorded = output_node(segment.graph).meta.get("original_output_strides") or ()
     for i in indices:
         strides = reported[i] if i < len(reported) else None
         value = values[i].meta.get("val") if isinstance(values[i], fx.Node) else None
         if (strides is None or not isinstance(value, torch.Tensor)
                 or not all(isinstance(s, int) for s in (*strides, *value.shape))):
             continue
-        if not is_dense_layout(tuple(value.shape), tuple(strides)):
+        fx_strides = {tuple(value.stride())}
+        if i < len(recorded) and recorded[i] is not None:
+            fx_strides.add(tuple(recorded[i]))
+        if tuple(strides) not in fx_strides and not is_dense_layout(tuple(value.shape),
+                                                                     tuple(strides)):
             return False
     return True
 
 
-def _reported_stride(reported: Sequence[Any] | None, index: int, segment: str) -> Stride:
-    """The strides Inductor gave output ``index`` of a segment (static shapes: integers)."""
+def _reported_stride(segment: fx.GraphModule, reported: Sequence[Any] | None, index: int,
+                     name: str) -> Stride | None:
+    """The strides Inductor gave output ``index`` of segment ``name`` (static shapes: integers).
+
+    None where there are none to give: for a size (a SymInt the segment
+    returns: the row count of a boolean mask, under
+    ``capture_dynamic_output_shape_ops``, that its readers need), and for a
+    tensor whose FX strides hold such an unbacked size. Inductor reports no
+    strides for those, in a whole-graph compile too, and AOTAutograd then
+    takes the FX graph's; so do the segments that read them.
+    """
     value = reported[index] if reported is not None and index < len(reported) else None
+    if value is None and not _has_static_strides(output_values(segment.graph)[index]):
+        return None
     if value is None or not all(isinstance(s, int) for s in value):
         raise GraphInvariantError(
-            WHERE, f"Inductor reported no static strides for output {index} of {segment}; "
+            WHERE, f"Inductor reported no static strides for output {index} of {name}; "
                    "its readers could not be compiled for them")
     return tuple(value)
+
+
+def _has_static_strides(value: Any) -> bool:
+    """Whether an FX value is a tensor whose strides hold no unbacked symbol (a data-dependent
+    size); not for a SymInt, which has no strides."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    example = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(example, torch.Tensor) and not free_unbacked_symbols(example.stride())
