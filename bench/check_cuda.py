@@ -13,7 +13,11 @@
    inductor, reduce-overhead, inductor with the whole step in one CUDA graph,
    and erase without and with CUDA graphs (4 side streams, and 1 stream).
 
-Prints a table last. Needs a GPU.
+Prints each result as it comes, a timing table last, and updates the current table of
+checks, ``bench/results/check_cuda.md`` (``--out``; `bench.tables`): a check run again
+replaces its row (its name holds its config, options and step count, and the CUDA
+allocator where that is not the native one), the others stay with their date and command.
+Needs a GPU.
 """
 from __future__ import annotations
 
@@ -23,13 +27,16 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import erase_fx
-from bench.harness import (Variant, build_step, compile_erase, deterministic_algorithms,
-                           grads_of, max_rel_err, time_steps, whole_step_graph)
+from bench.harness import (Variant, allocator_backend, build_step, compile_erase,
+                           deterministic_algorithms, grads_of, max_rel_err, time_steps,
+                           whole_step_graph)
 from bench.models import ChainConfig, DetachedChain, make_inputs
+from bench.tables import RESULTS, by_check, this_run, update_table
 from erase_fx.emit.cudagraphs import GraphedForward
 
 # NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
@@ -300,6 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--steps-per-trial", type=int, default=20)
+    parser.add_argument("--out", default=str(RESULTS / "check_cuda.md"),
+                        help="the table to update ('' for none)")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     unknown = parts - {"parity", "stress", "timing"}
@@ -311,14 +320,19 @@ def main(argv=None) -> int:
         parser.error(f"--release-lags: {error}")
     device = torch.device("cuda")
     print("torch", torch.__version__, "on", torch.cuda.get_device_name(device), flush=True)
-    failures = 0
+    run, results, failures = this_run("bench.check_cuda", argv), Results(), 0
+    out = Path(args.out) if args.out else None
     parity_cfg = ChainConfig.parse(args.parity_config)
+    # NB: the table is written after each part, so a run cut short keeps what it checked
     if "parity" in parts:
-        failures += parity_checks(parity_cfg, args.parity_steps, device)
+        failures += parity_checks(parity_cfg, args.parity_steps, device, results)
+        write_table(out, results, run)
     if "stress" in parts:
-        failures += stress_checks(parity_cfg, args.stress_steps, device, runs)
+        failures += stress_checks(parity_cfg, args.stress_steps, device, runs, results)
+        write_table(out, results, run)
     if "timing" in parts:
-        timing_table(args, device)
+        timing_table(args, device, results)
+        write_table(out, results, run)
     return 1 if failures else 0
 
 
@@ -337,13 +351,35 @@ def stress_runs(text: str) -> list[tuple[bool, int | None]]:
     return runs
 
 
-def parity_checks(parity_cfg, parity_steps, device) -> int:
+class Results:
+    """The checks of one run: each printed as it comes (``<check>: <detail> <result>``) and
+    kept as a row of the table (check, result, detail)."""
+
+    def __init__(self):
+        allocator = allocator_backend()
+        # NB: the same check under another allocator is another row
+        self.suffix = "" if allocator == "native" else f" ({allocator})"
+        self.rows: list[dict] = []
+
+    def add(self, check: str, result: str, detail: str) -> bool:
+        """Record one check; ``result`` OK, FAIL, RACE or ``-`` (a measurement, no verdict).
+        True when it did not fail."""
+        print(f"{check}: {detail}" + ("" if result == "-" else f" {result}"), flush=True)
+        self.rows.append({"check": check + self.suffix, "result": result, "detail": detail})
+        return result in ("OK", "-")
+
+
+def _ok(passed: bool) -> str:
+    return "OK" if passed else "FAIL"
+
+
+def parity_checks(parity_cfg, parity_steps, device, results: Results) -> int:
     """Parity, scaling kernel, tangents, captures, training-loop shapes: the count that failed."""
     failures = 0
     expected = expected_early_work(parity_cfg)
     control, _ = check_parity(parity_cfg, {}, parity_steps, device, control=True)
-    print(f"parity {parity_cfg} stock torch.compile (control): max rel grad err {control:.2e}",
-          flush=True)
+    results.add(f"parity {parity_cfg} stock torch.compile (control)", "-",
+                f"max rel grad err {control:.2e}")
     for options in ({"inner": "aot_eager", "cudagraphs": False},
                     {"inner": "aot_eager", "cudagraphs": True},
                     {"inner": "inductor", "cudagraphs": False},
@@ -352,60 +388,54 @@ def parity_checks(parity_cfg, parity_steps, device) -> int:
                     {"inner": "inductor", "cudagraphs": True, "streams": 0}):
         err, work = check_parity(parity_cfg, options, parity_steps, device)
         limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
-        ok = err <= limit and work == expected
-        failures += not ok
         reference = "stock inductor" if options["inner"] == "inductor" else "eager"
-        print(f"parity {parity_cfg} {options}: (early blocks, parts, pieces) {work}, "
-              f"expected {expected}; max rel grad err vs "
-              f"{reference} "
-              f"{err:.2e} (limit {limit:.1e}) {'OK' if ok else 'FAIL'}", flush=True)
+        failures += not results.add(
+            f"parity {parity_cfg} {options}", _ok(err <= limit and work == expected),
+            f"(early blocks, parts, pieces) {work}, expected {expected}; max rel grad err vs "
+            f"{reference} {err:.2e} (limit {limit:.1e})")
     problems = check_scale_kernel(device)
-    failures += bool(problems)
-    print(f"in-place scaling kernel (fp32, bf16, fp16; scales 1, 3, 0.5, 65536, nan; captured): "
-          f"{'OK' if not problems else 'FAIL ' + '; '.join(problems)}", flush=True)
+    failures += not results.add(
+        "in-place scaling kernel (fp32, bf16, fp16; scales 1, 3, 0.5, 65536, nan; captured)",
+        _ok(not problems), "; ".join(problems) or "bit-identical to mul")
     for options in ({"inner": "aot_eager", "cudagraphs": False},
                     {"inner": "aot_eager", "cudagraphs": True},
                     {"inner": "inductor", "cudagraphs": True}):
         err, _ = check_parity(parity_cfg, options, parity_steps, device, tangent=1024.0)
         limit = 1e-5 if options["inner"] == "aot_eager" else 1e-4
-        failures += err > limit
-        print(f"parity {parity_cfg} {options}, backward(1024.0): max rel grad err {err:.2e} "
-              f"(limit {limit:.1e}) {'OK' if err <= limit else 'FAIL'}", flush=True)
+        failures += not results.add(f"parity {parity_cfg} {options}, backward(1024.0)",
+                                    _ok(err <= limit),
+                                    f"max rel grad err {err:.2e} (limit {limit:.1e})")
     for options in ({"cudagraphs": False}, {}):
         err = check_whole_step_capture(parity_cfg, device, options)
-        failures += err > 1e-4
-        print(f"inside a user's whole-step CUDA graph, erase {options or 'defaults'}: max rel grad "
-              f"err vs stock inductor {err:.2e} {'OK' if err <= 1e-4 else 'FAIL'}", flush=True)
+        failures += not results.add(
+            f"inside a user's whole-step CUDA graph, erase {options or 'defaults'}",
+            _ok(err <= 1e-4), f"max rel grad err vs stock inductor {err:.2e}")
     err = check_two_forwards(parity_cfg, device)
-    ok = err <= 1e-4
-    failures += not ok
-    print(f"two forwards then one backward, CUDA graphs on: max rel grad err {err:.2e} "
-          f"{'OK' if ok else 'FAIL'}", flush=True)
+    failures += not results.add("two forwards then one backward, CUDA graphs on", _ok(err <= 1e-4),
+                                f"max rel grad err {err:.2e}")
 
     for pattern, err, (fw_replays, bw_replays) in check_patterns(parity_cfg, device):
-        ok = err <= 1e-6
-        failures += not ok
-        print(f"training loop {pattern}, CUDA graphs on, aot_eager: params vs eager after 4 SGD "
-              f"steps: max rel err {err:.2e}, replays fw {fw_replays} bw {bw_replays} "
-              f"{'OK' if ok else 'FAIL'}", flush=True)
-
+        failures += not results.add(
+            f"training loop {pattern}, CUDA graphs on, aot_eager", _ok(err <= 1e-6),
+            f"params vs eager after 4 SGD steps: max rel err {err:.2e}, replays fw "
+            f"{fw_replays} bw {bw_replays}")
     return failures
 
 
-def stress_checks(parity_cfg, steps, device, runs) -> int:
+def stress_checks(parity_cfg, steps, device, runs, results: Results) -> int:
     """The race stress, once per (cudagraphs, release_lag) of ``runs`` (none with ``steps``
     0): the count that raced."""
     failures = 0
     for graphs, lag in runs if steps else ():
         differing = stress(parity_cfg, steps, device, graphs, lag)
-        failures += differing > 0
-        print(f"stress {parity_cfg} cudagraphs={graphs} release_lag={lag}: {steps} steps, "
-              f"{differing} with any grad bit differing between 4 streams and 1 stream "
-              f"{'OK' if not differing else 'RACE'}", flush=True)
+        failures += not results.add(
+            f"stress {parity_cfg} cudagraphs={graphs} release_lag={lag}, {steps} steps",
+            "OK" if not differing else "RACE",
+            f"{differing} with any grad bit differing between 4 streams and 1 stream")
     return failures
 
 
-def timing_table(args, device) -> None:
+def timing_table(args, device, results: Results) -> None:
     rows = []
     for text in args.configs.split(","):
         rows += timing(ChainConfig.parse(text), device, args.trials, args.steps_per_trial,
@@ -413,10 +443,32 @@ def timing_table(args, device) -> None:
     print("\n| config | variant | ms median | min | max | vs inductor+graph | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     base = {r[0]: r[2] for r in rows if r[1] == "inductor+graph"}
-    for config, name, median, low, high, _, peak in rows:
+    for config, name, median, low, high, compile_s, peak in rows:
         ratio = f"{median / base[config]:.2f}x" if config in base else "-"
         print(f"| {config} | {name} | {median:.3f} | {low:.3f} | {high:.3f} | {ratio} | "
               f"{peak / 2**20:.0f} |")
+        results.rows.append({
+            "check": f"timing {config} {name}{results.suffix}", "result": "-",
+            "detail": f"{median:.3f} ms (min {low:.3f}, max {high:.3f}; {args.trials} trials "
+                      f"of {args.steps_per_trial} steps), {ratio} of inductor+graph, peak "
+                      f"{peak / 2**20:.0f} MiB, compile {compile_s:.1f} s"})
+
+
+TITLE = "bench.check_cuda: the latest result of each check"
+INTRO = """\
+Written by `python -m bench.check_cuda` (on the GPU, `bash bench/device_run.sh checks` and
+the stress parts): each run replaces the rows of the checks it ran and leaves the others;
+`git log -p bench/results/check_cuda.md` shows what each run changed. A check's name holds
+what it ran (config, options, steps; the CUDA allocator where it is not the native one).
+Results: OK, FAIL, RACE (a stress step whose gradients differ bitwise between 4 streams and
+1), ABORT (the process died), `-` (a measurement, no verdict)."""
+
+
+def write_table(out: Path | None, results: Results, run) -> None:
+    if out is not None and results.rows:
+        update_table(out, title=TITLE, intro=INTRO, columns=("check", "result", "detail"),
+                     key=("check",), rows=results.rows, run=run,
+                     order=by_check)
 
 
 if __name__ == "__main__":

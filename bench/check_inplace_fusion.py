@@ -12,7 +12,9 @@ eager and, on a GPU, the kept form refused a fusion and writes over ``B``.
 Runs on CPU too (``--device cpu``), where Inductor's C++ kernels write over
 ``B`` either way. ``--head soft`` compiles `soft_target_head` instead: the loss
 of label-smoothed targets made from the labels, which reads ``B`` at every
-index (the local heads of ``gpt-soft``).
+index (the local heads of ``gpt-soft``). A GPU run updates its section (head
+and device) of ``bench/results/check_inplace_fusion.md`` (``--out``; a CPU
+run only when ``--out`` names a file; `bench.tables`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import re
 from collections.abc import Sequence
 
 import torch
+
+from bench.tables import default_out, this_run, update_sections
 
 
 def softmax_head(a: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
@@ -99,21 +103,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--head", choices=sorted(HEADS), default="target",
                         help="target: a loss read at each row's target (softmax_head); soft: "
                              "label-smoothed targets (soft_target_head)")
+    parser.add_argument("--out", help="the sections file to update (default on a GPU: "
+                        "bench/results/check_inplace_fusion.md; '' for none)")
     args = parser.parse_args(argv)
-    ok = True
+    ok, printed = True, []
+
+    def say(line: str) -> None:
+        print(line)
+        printed.append(line)
+
     for keep in (False, True):
         refused, code, same = compile_once(args.device, keep, head=HEADS[args.head])
         over = writes_over_matmul(code)
-        print(f"{'keep_inplace_writes' if keep else 'stock'} on {args.device}: refused {refused}, "
-              f"same as eager: {same}, writes over the matmul's output: {over}")
+        say(f"{'keep_inplace_writes' if keep else 'stock'} on {args.device}: refused {refused}, "
+            f"same as eager: {same}, writes over the matmul's output: {over}")
         for line in call_lines(code):
-            print("   ", line)
+            say(f"    {line}")
         ok &= same
         if keep and args.device == "cuda":
             # NB: on CPU Inductor's C++ kernels write over it either way
             ok &= bool(refused) and over
-    print("PASS" if ok else "FAIL")
+    say("PASS" if ok else "FAIL")
+    out = default_out("check_inplace_fusion.md", args.device == "cuda", args.out)
+    if out is not None:
+        update_sections(out, title=TITLE, intro=INTRO,
+                        sections=[(f"--head {args.head} on {args.device}",
+                                   "```\n" + "\n".join(printed) + "\n```")],
+                        run=this_run("bench.check_inplace_fusion", argv))
     return 0 if ok else 1
+
+
+TITLE = "bench.check_inplace_fusion: the kernels of one head, stock and kept in place"
+INTRO = """\
+Written by `python -m bench.check_inplace_fusion` (on the GPU, `bash bench/device_run.sh
+soft-d`): a section per head and device, each replaced by the next run of the same;
+`git log -p bench/results/check_inplace_fusion.md` shows what each run changed. Each: the
+fusions refused, the kernel calls and in-place reuses of the generated code, stock then
+with `keep_inplace_writes`, and the verdict (PASS: both equal eager and, on a GPU, the
+kept form writes over the matmul's output)."""
 
 
 if __name__ == "__main__":

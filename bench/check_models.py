@@ -27,8 +27,11 @@ A reference stock itself is far from (over 1e-2) is reported INVALID, not
 passed. Random models also check that two steps on the same batch draw
 different masks (fresh masks at every CUDA graph replay).
 
-Prints a line per model and variant, then a table; ``--out`` writes it as
-JSON too (rewritten after each model). ``--budget-s`` stops starting models
+Prints a line per model and variant, then a table, and updates the current
+table, ``bench/results/check_models.md`` (``--out``, rewritten after each
+model; `bench.tables`): a model checked again replaces its row, the others
+stay with their date and command (a CPU run updates a table only when
+``--out`` names one). ``--budget-s`` stops starting models
 and variants in time: the models not started are listed as skipped, a model
 cut between variants is INCOMPLETE (counted as not passed). On an H200 a
 torchvision model takes 80-110 s per variant, four variants each: GoogLeNet
@@ -39,16 +42,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import erase_fx
+from bench.tables import default_out, this_run, update_table
 
 STEPS = 3
 LR = 0.05
@@ -257,19 +259,43 @@ def check_model(name: str, builder: Callable, random: bool, device, steps: int,
     return row
 
 
+COLUMNS = ("model", "random", "early blocks", "parts", "stock vs fp64", "erase vs fp64",
+           "erase (no graphs) vs fp64", "verdict", "fallback")
+
+
+def cells(r: dict) -> dict[str, str]:
+    """A model's row as the table's cells."""
+    distances = {}
+    for key, column in (("stock", "stock vs fp64"), ("erase", "erase vs fp64"),
+                        ("erase-nographs", "erase (no graphs) vs fp64")):
+        value = r.get(key, "-")
+        distances[column] = f"{value:.2e}" if isinstance(value, float) else str(value)
+    return {"model": r["model"], "random": "yes" if r["random"] else "no",
+            "early blocks": str(r.get("blocks", "-")), "parts": str(r.get("parts", "-")),
+            **distances, "verdict": r.get("verdict", "-"), "fallback": r.get("fallback") or ""}
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model | random | early blocks | parts | stock vs fp64 | erase vs fp64 | "
-             "erase (no graphs) vs fp64 | verdict | fallback |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        cells = [r["model"], "yes" if r["random"] else "no", r.get("blocks", "-"),
-                 r.get("parts", "-")]
-        for key in ("stock", "erase", "erase-nographs"):
-            value = r.get(key, "-")
-            cells.append(f"{value:.2e}" if isinstance(value, float) else str(value))
-        cells += [r.get("verdict", "-"), r.get("fallback") or ""]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        row = cells(r)
+        lines.append("| " + " | ".join(row[c] for c in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def model_order(row: dict) -> tuple:
+    """The table's order: `MODELS`' order, then any other model by name."""
+    names = list(MODELS)
+    return (names.index(row["model"]) if row["model"] in names else len(names), row["model"])
+
+
+TITLE = "bench.check_models: the latest result of each model"
+INTRO = """\
+Written by `python -m bench.check_models` (on the GPU, `bash bench/device_run.sh
+models-a..d`): each run replaces the rows of the models it checked and leaves the others;
+`git log -p bench/results/check_models.md` shows what each run changed. Distances are from
+stock `torch.compile` in float64 after a few SGD steps with the same masks; erase passes
+within twice stock's float32 distance (plus 1e-6)."""
 
 
 def main(argv=None) -> int:
@@ -277,7 +303,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--budget-s", type=float, default=float("inf"))
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", help="the table to update (default on a GPU: "
+                        "bench/results/check_models.md; '' for none)")
     parser.add_argument("--device", default="cuda",
                         help="cuda (default); cpu runs the same checks for a smoke test")
     args = parser.parse_args(argv)
@@ -287,6 +314,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
+    out = default_out("check_models.md", args.device == "cuda", args.out)
+    run = this_run("bench.check_models", argv)
     start = time.perf_counter()
     rows, skipped = [], []
     for name in args.models.split(","):
@@ -300,9 +329,9 @@ def main(argv=None) -> int:
                                     deadline=start + args.budget_s))
         except ImportError as error:
             skipped.append(f"{name} ({error})")
-        if args.out:
-            args.out.write_text(json.dumps({"rows": rows, "skipped": skipped}, indent=2,
-                                           default=str))
+        if out is not None and rows:
+            update_table(out, title=TITLE, intro=INTRO, columns=COLUMNS, key=("model",),
+                         rows=[cells(r) for r in rows], run=run, order=model_order)
     print()
     print(table(rows))
     if skipped:

@@ -2,8 +2,11 @@
 
 One process, a few minutes on an H200 (small models, few compiles). Each
 check prints a PASS/FAIL line; a summary table comes last; the exit status
-is 1 if any check failed. Every training run below is the same step: two
-models (a detached MLP chain with BatchNorm, and `bench.models.DetachedChain`),
+is 1 if any check failed. The checks and step times update the current
+table, ``bench/results/check_step.md`` (``--out``; `bench.tables`): a check
+run again replaces its row, the others stay with their date and command.
+Every training run below is the same step: two models (a detached MLP chain
+with BatchNorm, and `bench.models.DetachedChain`),
 gradient accumulation over two micro-batches, one optimizer per model,
 ``zero_grad(set_to_none=True)`` at the top.
 
@@ -68,6 +71,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 # NB: deterministic cuBLAS needs a fixed workspace, set before CUDA starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -79,6 +83,7 @@ import torch.nn.functional as F  # noqa: E402
 import erase_fx  # noqa: E402
 from bench.harness import deterministic_algorithms  # noqa: E402
 from bench.models import ChainConfig, DetachedChain  # noqa: E402
+from bench.tables import RESULTS, by_check, this_run, update_table  # noqa: E402
 
 WARMUP = 2
 CHAIN = ChainConfig.parse("mlp:64:128:256:3")
@@ -682,6 +687,8 @@ EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt", "
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=str(RESULTS / "check_step.md"),
+                        help="the table to update ('' for none)")
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated subset of {','.join(CHECKS + EXTRA_CHECKS)} "
                              "(default: all but the last)")
@@ -734,7 +741,30 @@ def main(argv=None) -> int:
     failed = report.failed
     print(f"\n{len(report.rows) - len(failed)} passed, {len(failed)} failed "
           f"in {time.perf_counter() - start:.0f} s")
+    if args.out:
+        write_table(Path(args.out), report, timings, this_run("bench.check_step", argv))
     return 1 if failed else 0
+
+
+TITLE = "bench.check_step: the latest result of each check"
+INTRO = """\
+Written by `python -m bench.check_step` (on the GPU, `bash bench/device_run.sh <part>`):
+each run replaces the rows of the checks it ran and leaves the others; `git log -p
+bench/results/check_step.md` shows what each run changed. A check's name holds what it
+ran (model, steps, options); `step:` rows are step times (CUDA events, two models, two
+micro-batches, Adam), measurements without a verdict."""
+
+
+def write_table(out: Path, report: Report, timings, run) -> None:
+    """Update ``out`` with the run's checks and step times."""
+    rows = [{"check": name, "result": "PASS" if ok else "FAIL", "detail": detail}
+            for name, ok, detail in report.rows]
+    rows += [{"check": f"step: {name}, compile_step {'yes' if captured else 'no'}",
+              "result": "-", "detail": f"{ms:.3f} ms per step"}
+             for name, captured, ms in timings if captured is not None]
+    if rows:
+        update_table(out, title=TITLE, intro=INTRO, columns=("check", "result", "detail"),
+                     key=("check",), rows=rows, run=run, order=by_check)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@
 #   bash bench/device_run.sh streams-c 4, 3 and 2 side streams with recompute on (gpt:16:384:256:8,
 #                                      then ctr:16384 as the budget allows), erase's own graphs
 #                                      against reduce-overhead on the three small chains, and the
-#                                      DGL ViT with 2 side streams (~9 min; 2026-12-02-b-NOTES.md)
+#                                      DGL ViT with 2 side streams (~9 min)
 #   bash bench/device_run.sh streams-d fewer side streams for few blocks, stages kept on the main
 #                                      stream (with 2 streams the auto rule puts them on side, where
 #                                      the ViT's third stage queued behind the first block's
@@ -257,13 +257,15 @@
 #   bash bench/device_run.sh paper-ctr-speed  erase+graphs and reduce-overhead only, 5 seeds
 #                                          (~3 min): the speed claim, side by side
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
-# Results go to $OUT (default bench/results/device); join the bench.run parts with
-#   python -m bench.run --merge $OUT/bench-a.json $OUT/bench-b.json $OUT/step.json \
-#     $OUT/memory-a.json $OUT/memory-b.json $OUT/vision-{a,b,c,d}.json
-# join the CTR parts into ctr.json beside the other paper files, and rebuild the report, with
-#   python -m bench.paper.ctr --merge $OUT/paper/parts/ctr-seeds-0-2.json \
-#     $OUT/paper/parts/ctr-seeds-3-4.json $OUT/paper/parts/ctr-seed-5.json --results-dir $OUT/paper
-#   python -m bench.paper.report --results-dir $OUT/paper
+# Each part updates the current tables in bench/results/ (bench/results/README.md: step.json
+# and step.md for bench.run's rows, check_*.md, memory.md, ...; paper/). Where $OUT is set (the
+# device machine: what is written under it comes back) the tables a part changed are copied to
+# $OUT/results/ at its end: copy them over bench/results/ and commit. Traces and generated code
+# go to $OUT (else /tmp/erase_fx_device_run), never into the tables. Join the CTR parts into
+# ctr.json beside the other paper files, and rebuild the report, with
+#   python -m bench.paper.ctr --merge bench/results/paper/parts/ctr-seeds-0-2.json \
+#     bench/results/paper/parts/ctr-seeds-3-4.json bench/results/paper/parts/ctr-seed-5.json
+#   python -m bench.paper.report
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -277,8 +279,18 @@ case "${1:-}" in
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
-OUT=${OUT:-bench/results/device}
-mkdir -p "$OUT"
+ART=${OUT:-/tmp/erase_fx_device_run}
+mkdir -p "$ART"
+STARTED=$(mktemp)
+# NB: the tables this part wrote, to $OUT/results/ (on exit, so a part cut short keeps them)
+copy_back() {
+  [ -n "${OUT:-}" ] || return 0
+  find bench/results -type f -newer "$STARTED" | while read -r file; do
+    mkdir -p "$OUT/results/$(dirname "${file#bench/results/}")"
+    cp "$file" "$OUT/results/${file#bench/results/}"
+  done
+}
+trap copy_back EXIT
 export PYTHONUNBUFFERED=1
 # NB: the GPU image has torch and the other dependencies; only erase_fx itself is installed.
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -299,19 +311,18 @@ ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-str
 ONEGRAPH=inductor+step,erase+step,erase+step/no-recompute,erase+step/streams=0
 # NB: 2 side streams with the stages on the main stream, against the default and one side stream
 FEWER=inductor+step,erase+step,erase+step/streams=2/stages-on-main,erase+step/streams=1
-# run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part, results in $OUT/NAME.json
+# run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part (rows into step.json)
 run() {
   local name=$1 configs=$2 variants=$3
   shift 3
   # NB: --streams '' leaves out the side-stream-count rows (measured once, see README);
   # timeout: a last row that overruns the budget still ends inside the device call
-  timeout 570 python3 -m bench.run --budget-s 450 --out "$OUT/$name.json" --streams '' \
+  timeout 570 python3 -m bench.run --budget-s 450 --streams '' \
     --configs "$configs" --variants "$variants" "$@"
 }
-# models NAME LIST: one check_models part, results in $OUT/NAME.json and its log
+# models NAME LIST: one check_models part (rows into check_models.md)
 models() {
-  timeout 570 python3 -m bench.check_models --budget-s 480 --models "$2" --out "$OUT/$1.json" \
-    2>&1 | tee "$OUT/$1.log"
+  timeout 570 python3 -m bench.check_models --budget-s 480 --models "$2"
 }
 case "$1" in
   models-a) models models-a gpt-dropout,ctr-dropout,tv-resnet18-dgl,tv-mobilenet-dgl ;;
@@ -319,8 +330,8 @@ case "$1" in
   models-c) models models-c tv-efficientnet-dgl,tv-efficientnet ;;
   models-d) models models-d tv-vit-dgl,tv-vit-dropout,tv-mobilenet,tv-resnet18 ;;
   memory-c)
-    python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8,ctr:16384:1024:2048:6 \
-      | tee "$OUT/held-to-join.md"
+    python3 -m bench.held_to_join --device cuda --out bench/results/held_to_join.md \
+      --configs gpt:16:384:256:8,ctr:16384:1024:2048:6
     run memory-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
       inductor+step,erase+step,erase+step/release-lag=2,erase+step/release-lag=4,erase+step/streams=1,erase+step/one-stream \
       --budget-s 380 ;;
@@ -328,49 +339,50 @@ case "$1" in
     # NB: the stress first: a race found matters more than a figure
     timeout 130 python3 -m bench.check_cuda --parts stress --stress-steps 1000 \
       --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
-      2>&1 | tee "$OUT/check_cuda-stress.log" || true
-    timeout 360 python3 -m bench.run --budget-s 300 --out "$OUT/memory-d.json" --streams '' \
+      2>&1 || true
+    timeout 360 python3 -m bench.run --budget-s 300 --streams '' \
       --configs "mlp:512:1024:2048:6,gpt:16:384:256:8,ctr:16384:1024:2048:6,ctr:1024:512:1024:6,mlp:128:2000:2000:4" \
       --variants inductor+step,erase+step,erase+step/stages-on-main --sweep-configs '' \
       --trials 5 || true
-    timeout 60 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
-      | tee "$OUT/held-to-join.md" ;;
+    timeout 60 python3 -m bench.held_to_join --device cuda --out bench/results/held_to_join.md \
+      --configs gpt:16:384:256:8 ;;
   memory-f)
     # NB: the stress first: outputs of one segment sharing its memory are now freed under capture
     timeout 130 python3 -m bench.check_cuda --parts stress --stress-steps 1000 \
       --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
-      2>&1 | tee "$OUT/check_cuda-stress.log" || true
-    timeout 300 python3 -m bench.run --budget-s 250 --out "$OUT/memory-f.json" --streams '' \
+      2>&1 || true
+    timeout 300 python3 -m bench.run --budget-s 250 --streams '' \
       --configs gpt:16:384:256:8,gpt:8:768:1024:6,mlp:512:1024:2048:6 --sweep-configs '' \
       --variants inductor+step,erase+step,erase+step/shared-input-values --trials 5 || true
     # NB: 90 s was too short for the third row and the largest values (2026-12-01)
-    timeout 150 python3 -m bench.held_to_join --device cuda --configs gpt:16:384:256:8 \
-      --streams 4,2 --largest 8 | tee "$OUT/held-to-join.md" ;;
+    timeout 150 python3 -m bench.held_to_join --device cuda --out bench/results/held_to_join.md \
+      --configs gpt:16:384:256:8 \
+      --streams 4,2 --largest 8 ;;
   gpt8-a)
     # NB: about 60 s a row on a cold cache; the overhead parts fit the rest of the call
-    timeout 330 python3 -m bench.run --budget-s 270 --out "$OUT/gpt8-a.json" --streams '' \
+    timeout 330 python3 -m bench.run --budget-s 270 --streams '' \
       --configs gpt:8:768:1024:6 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/one-stream,erase+step/stages-on-main,erase+step/streams=2 || true
     timeout 150 python3 -m bench.overhead --config gpt:8:768:1024:6 --steps 50 \
-      --variants inductor+step,erase+step --trace-dir "$OUT" 2>&1 | tee "$OUT/overhead-gpt8.log" || true
+      --variants inductor+step,erase+step --trace-dir "$ART" 2>&1 || true
     # the default path's CPU time per step on a small chain (issue 12, item 5: before)
     timeout 90 python3 -m bench.overhead --config mlp:128:2000:2000:4 --top 25 \
-      --variants reduce-overhead,erase+graphs 2>&1 | tee "$OUT/overhead-mlp128.log" ;;
+      --variants reduce-overhead,erase+graphs 2>&1 ;;
   segments-a)
     timeout 560 python3 -m bench.segment_cost --configs gpt:8:768:1024:6 --no-recompute \
-      --trace-dir "$OUT" 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/segment-cost.log" ;;
+      --trace-dir "$ART" 2>&1 | grep -v '^erase_fx: graph' ;;
   overhead-a)
     for config in ${SMALL//,/ }; do
       timeout 80 python3 -m bench.overhead --config "$config" --top 25 \
         --variants reduce-overhead,erase+graphs 2>&1 | grep -v '^erase_fx: graph' || true
-    done | tee "$OUT/overhead-small.log" ;;
+    done ;;
   streams-c)
     run streams-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
       inductor+step,erase+step,erase+step/streams=2,erase+step/streams=3 \
       --sweep-configs '' --trials 5 --budget-s 220 || true
-    timeout 150 python3 -m bench.run --budget-s 110 --out "$OUT/default-small.json" --streams '' \
+    timeout 150 python3 -m bench.run --budget-s 110 --streams '' \
       --configs "$SMALL" --variants reduce-overhead,erase+graphs --sweep-configs '' --trials 5 || true
-    timeout 160 python3 -m bench.run --budget-s 100 --out "$OUT/vit-streams.json" --streams '' \
+    timeout 160 python3 -m bench.run --budget-s 100 --streams '' \
       --configs tv-vit-dgl:256:32 --variants inductor+step,erase+step/streams=2 --sweep-configs '' \
       --trials 5 ;;
   streams-d)
@@ -382,72 +394,71 @@ case "$1" in
     export ASYNC=backend:cudaMallocAsync
     PYTORCH_CUDA_ALLOC_CONF=$ASYNC timeout 100 python3 -m bench.check_cuda --parts stress \
       --stress-steps 300 --parity-config mlp:256:512:1024:8 --release-lags uncaptured,none \
-      2>&1 | tee "$OUT/check_cuda-stress-async.log" || true
+      2>&1 || true
     for allocator in async native; do
       # NB: async first: the native figures have earlier runs; the second process finds the
       # compiled kernels in Inductor's cache
       if [ $allocator = async ]; then export PYTORCH_CUDA_ALLOC_CONF=$ASYNC
       else unset PYTORCH_CUDA_ALLOC_CONF; fi
       timeout 250 python3 -m bench.run --budget-s 200 \
-        --out "$OUT/async-a-$allocator.json" --streams '' --sweep-configs '' --trials 5 \
+        --streams '' --sweep-configs '' --trials 5 \
         --configs gpt:16:384:256:8,ctr:16384:1024:2048:6,mlp:512:1024:2048:6 \
         --variants inductor+step,erase+step,erase+step/streams=2 || true
     done ;;
   async-b)
     PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync timeout 150 python3 -m bench.run \
-      --out "$OUT/async-b.json" --streams '' --sweep-configs '' --trials 2 --steps-per-trial 5 \
+      --streams '' --sweep-configs '' --trials 2 --steps-per-trial 5 \
       --configs mlp:512:1024:2048:6 --variants inductor+step,erase+step,erase+graphs ;;
   early-a)
     timeout 120 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early.log" || true
-    timeout 290 python3 -m bench.run --budget-s 230 --out "$OUT/early-a.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 290 python3 -m bench.run --budget-s 230 --streams '' \
       --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer ;;
   early-c)
     timeout 100 python3 -m bench.check_step --checks early-optimizer --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early.log" || true
+      | grep -v '^erase_fx: graph' || true
     # NB: erase_fx.early_update logs at INFO the strides of a gradient autograd copied
     timeout 470 python3 -c "import logging, sys, runpy
 logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')
 logging.getLogger('erase_fx.early_update').setLevel(logging.INFO)
 sys.argv[0] = 'bench.run'
-runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 --out "$OUT/early-c.json" \
+runpy.run_module('bench.run', run_name='__main__')" --budget-s 410 \
       --streams '' --sweep-configs '' --trials 5 --configs "$SMALL,tv-resnet18-dgl:256:32" \
       --variants inductor+step+adam,erase+step+adam,erase+step+adam/early-optimizer 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   memprof-a)
     # where each stream's graph pool goes (issue 14), then whether this torch's Inductor has
     # user streams, then the early optimizer's conv check with the time left
-    timeout 330 python3 -m bench.memory_profile --top 8 --out "$OUT/memprof-a-gpt.json" \
+    timeout 330 python3 -m bench.memory_profile --top 8 \
       --configs gpt:16:384:256:8 \
       --variants inductor+step,erase+step,erase+step/streams=2,erase+step/streams=0 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-a-gpt.md" || true
-    timeout 120 python3 -m bench.memory_profile --top 8 --out "$OUT/memprof-a-ctr.json" \
+      | grep -v '^erase_fx: graph' || true
+    timeout 120 python3 -m bench.memory_profile --top 8 \
       --configs ctr:16384:1024:2048:6 --variants inductor+step,erase+step,erase+step/streams=0 \
-      2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/memprof-a-ctr.md" || true
+      2>&1 | grep -v '^erase_fx: graph' || true
     python3 -c "import torch, importlib.util as u, torch._inductor.scheduler as s
 print('torch', torch.__version__, 'inductor stream_utils:',
       u.find_spec('torch._inductor.stream_utils') is not None,
-      '_populate_stream_assignments:', hasattr(s.Scheduler, '_populate_stream_assignments'))" \
-      | tee "$OUT/inductor-streams.txt"
+      '_populate_stream_assignments:', hasattr(s.Scheduler, '_populate_stream_assignments'))"
     timeout 100 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   memprof-b)
     # why streams=0 holds a logits-sized buffer per block at its high-water mark (the generated
     # code kept), then the early optimizer's conv check with its diagnosis
-    timeout 150 python3 -m bench.memory_profile --top 12 --out "$OUT/memprof-b-gpt.json" \
-      --keep-code "$OUT/code" --configs gpt:16:384:256:8 --variants erase+step/streams=0 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-b-gpt.md" || true
+    timeout 150 python3 -m bench.memory_profile --top 12 \
+      --keep-code "$ART/code" --configs gpt:16:384:256:8 --variants erase+step/streams=0 2>&1 \
+      | grep -v '^erase_fx: graph' || true
     timeout 300 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   determinism-a)
     # is erase+step deterministic on a conv net (the early-optimizer check's baseline varied),
     # then streams=0 against segments on one stream on gpt:16 (memory and time)
     timeout 330 python3 -m bench.check_step --checks determinism-conv --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-conv.log" || true
+      | grep -v '^erase_fx: graph' || true
     python3 -c "import importlib.util as u
 print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_dependencies') is not None)"
-    timeout 230 python3 -m bench.run --budget-s 190 --out "$OUT/determinism-a.json" --streams '' \
+    timeout 230 python3 -m bench.run --budget-s 190 --streams '' \
       --configs gpt:16:384:256:8 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
       | grep -v '^erase_fx: graph' ;;
@@ -455,8 +466,8 @@ print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_de
     # the early optimizer's conv check after a throwaway first compile; then segments on the
     # main stream (/one-stream) against streams=0 (one graph) and stock on the other configs
     timeout 150 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" || true
-    timeout 420 python3 -m bench.run --budget-s 380 --out "$OUT/onestream-a.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 420 python3 -m bench.run --budget-s 380 --streams '' \
       --configs gpt:8:768:1024:6,ctr:16384:1024:2048:6,mlp:512:1024:2048:6,ctr:1024:512:1024:6 \
       --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step/streams=0,erase+step/one-stream 2>&1 \
@@ -468,13 +479,12 @@ print('control_dependencies:', u.find_spec('torch._inductor.fx_passes.control_de
 from torch._inductor.virtualized import V
 from torch._inductor.choices import InductorChoices as C
 print('torch', torch.__version__, 'set_choices_handler', hasattr(V, 'set_choices_handler'),
-      'cache_key_tag', hasattr(cc, 'cache_key_tag'), 'can_fuse', inspect.signature(C.can_fuse))" \
-      | tee "$OUT/inplace-a-facts.txt"
-    timeout 90 python3 -m bench.check_inplace_fusion 2>&1 | tee -a "$OUT/inplace-a-facts.txt" || true
-    timeout 200 python3 -m bench.memory_profile --top 6 --out "$OUT/inplace-a-gpt.json" \
+      'cache_key_tag', hasattr(cc, 'cache_key_tag'), 'can_fuse', inspect.signature(C.can_fuse))"
+    timeout 90 python3 -m bench.check_inplace_fusion 2>&1 || true
+    timeout 200 python3 -m bench.memory_profile --top 6 \
       --configs gpt:16:384:256:8 --variants erase+step,erase+step/stock-fusion 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/inplace-a-gpt.md" || true
-    timeout 300 python3 -m bench.run --budget-s 260 --out "$OUT/inplace-a.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 300 python3 -m bench.run --budget-s 260 --streams '' \
       --configs gpt:16:384:256:8 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/stock-fusion 2>&1 \
       | grep -v '^erase_fx: graph' ;;
@@ -489,7 +499,7 @@ print('torch', torch.__version__, 'set_choices_handler', hasattr(V, 'set_choices
 log = logging.getLogger('erase_fx'); log.setLevel(logging.DEBUG)
 handler = logging.StreamHandler(); handler.setLevel(logging.DEBUG)
 handler.addFilter(lambda record: 'fusion refused' in record.getMessage()); log.addHandler(handler)
-sys.argv = ['bench.run', '--budget-s', '450', '--out', '$OUT/inplace-c.json', '--streams', '',
+sys.argv = ['bench.run', '--budget-s', '450', '--streams', '',
             '--configs', 'tv-resnet18-dgl:256:32,tv-vit-dgl:256:32', '--sweep-configs', '',
             '--trials', '5', '--variants', 'inductor+step,erase+step,erase+step/stock-fusion']
 runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: graph' ;;
@@ -497,23 +507,23 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # the race stress with in-place writes on the side streams: gpt:16, 2,000 steps, trained
     # twice and on one stream, bitwise equal
     timeout 560 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-determinism-gpt.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   cse-a)
     # merge_common_subexpressions (each block's label mask its own, none saved for the
     # backward) against the order before it (/late-cse), on the LM-head chains; then
     # gpt:16's side 1 profiled, its code kept (does the loss value still come last?)
-    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/cse-a.json" --streams '' \
+    timeout 400 python3 -m bench.run --budget-s 330 --streams '' \
       --configs gpt:16:384:256:8,gpt:8:768:1024:6 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/late-cse 2>&1 \
       | grep -v '^erase_fx: graph' || true
-    timeout 150 python3 -m bench.memory_profile --top 3 --out "$OUT/cse-a-memprof.json" \
+    timeout 150 python3 -m bench.memory_profile --top 3 \
       --keep-code /tmp/cse-a-code --keep-code-of "side 1" --configs gpt:16:384:256:8 \
-      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/cse-a-memprof.md"
-    tar czf "$OUT/cse-a-code.tgz" -C /tmp cse-a-code ;;
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph'
+    tar czf "$ART/cse-a-code.tgz" -C /tmp cse-a-code ;;
   cse-b)
     # after cse-a: the same A/B where the label masks are small (never slower, never more
     # memory): ctr:16384, mlp:512, DGL ResNet-18, DGL ViT
-    timeout 560 python3 -m bench.run --budget-s 480 --out "$OUT/cse-b.json" --streams '' \
+    timeout 560 python3 -m bench.run --budget-s 480 --streams '' \
       --configs ctr:16384:1024:2048:6,mlp:512:1024:2048:6,tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 \
       --sweep-configs '' --trials 3 --variants inductor+step,erase+step,erase+step/late-cse 2>&1 \
       | grep -v '^erase_fx: graph' ;;
@@ -521,12 +531,12 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # after cse-a: compile_step's exactness against eager, and the race stress with memory
     # reuse on gpt (multi-stream bit-identical to one stream, deterministic mode)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-cse-c.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   lag-a)
     # release_lag on the current pipeline, where it has not been measured since 2026-12-01
     # (ctr:16384 then: 1.30x of stock's step memory with release_lag=2 against 1.64x, at the
     # same time): the models whose main-stream activations side streams read
-    timeout 570 python3 -m bench.run --budget-s 500 --out "$OUT/lag-a.json" --streams '' \
+    timeout 570 python3 -m bench.run --budget-s 500 --streams '' \
       --configs ctr:16384:1024:2048:6,tv-vit-dgl:256:32,tv-resnet18-dgl:256:32,gpt:16:384:256:8 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=2,erase+step/release-lag=4 2>&1 \
@@ -541,35 +551,33 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
       dir=/tmp/sched-c/${v//[\/+]/-}
       timeout 200 python3 -m bench.memory_profile --top 3 --keep-code "$dir" --keep-ir \
         --keep-code-of "side 1" --configs gpt:16:384:256:8 --variants "$v" 2>&1 \
-        | grep -v '^erase_fx: graph' | tee -a "$OUT/sched-c.md" || true
+        | grep -v '^erase_fx: graph' || true
     done
-    tar czf "$OUT/sched-c-code.tgz" -C /tmp sched-c ;;
+    tar czf "$ART/sched-c-code.tgz" -C /tmp sched-c ;;
   order-a)
     # each block's loss value before its early backward (split_segments.forward_first), against
     # the partitioner's order: the gpt chains, whose side streams held the logits and their
     # gradient at once; then gpt:16's streams (high-water marks, what is alive there)
-    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/order-a.json" --streams '' \
+    timeout 400 python3 -m bench.run --budget-s 330 --streams '' \
       --configs gpt:16:384:256:8,gpt:8:768:1024:6 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/partitioner-order 2>&1 \
       | grep -v '^erase_fx: graph' || true
     for v in erase+step erase+step/partitioner-order; do
       timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt:16:384:256:8 \
-        --variants "$v" 2>&1 | grep -v '^erase_fx: graph\|debug trace' \
-        | tee -a "$OUT/order-a-memprof-gpt.md" || true
+        --variants "$v" 2>&1 | grep -v '^erase_fx: graph\|debug trace' || true
     done ;;
   pool-a)
     for cfg in gpt:16:384:256:8 tv-vit-dgl:256:32; do
       timeout 140 python3 -m bench.memory_profile --top 3 --configs "$cfg" --variants erase+step \
-        --out "$OUT/pool-a-${cfg%%:*}.json" 2>&1 | grep -v '^erase_fx: graph' \
-        | tee -a "$OUT/pool-a.md" || true
+        2>&1 | grep -v '^erase_fx: graph' || true
     done ;;
   auto-a)
     # release_lag="auto": compile_step times each candidate lag and keeps one (erase_fx.lag_tuning);
     # bitwise against the default first, then time and step memory where lag-a found the lag
     # worth 0.88x of stock's memory (the ViT) and where it cost 12% of time (ResNet-18)
     timeout 170 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-auto-a.log" || true
-    timeout 400 python3 -m bench.run --budget-s 340 --out "$OUT/auto-a.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 400 python3 -m bench.run --budget-s 340 --streams '' \
       --configs tv-vit-dgl:256:32,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
@@ -578,8 +586,8 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
     # graph pool left; folding bitwise too), then "auto" against the default: the lag alone,
     # and with side_cuda_streams (not yet run on a GPU), to decide what becomes the default
     timeout 200 python3 -m bench.check_step --checks release-lag --steps 4 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-auto-c.log" || true
-    timeout 370 python3 -m bench.run --budget-s 320 --out "$OUT/auto-c.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 370 python3 -m bench.run --budget-s 320 --streams '' \
       --configs ctr:16384:1024:2048:6,tv-resnet18-dgl:256:32,mlp:512:1024:2048:6 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
@@ -587,17 +595,16 @@ runpy.run_module('bench.run', run_name='__main__')" 2>&1 | grep -v '^erase_fx: g
   auto-d)
     # where auto-c's budget ran out: "auto" for both options against the default, on the
     # configs whose default still uses more memory than stock, and on gpt:16 (met: 1.00x)
-    timeout 560 python3 -m bench.run --budget-s 500 --out "$OUT/auto-d.json" --streams '' \
+    timeout 560 python3 -m bench.run --budget-s 500 --streams '' \
       --configs tv-resnet18-dgl:256:32,gpt:8:768:1024:6,mlp:512:1024:2048:6,gpt:16:384:256:8 \
       --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/release-lag=auto/side-cuda-streams=auto 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-d)
     for head in target soft; do
-      timeout 120 python3 -m bench.check_inplace_fusion --head $head 2>&1 \
-        | tee "$OUT/check_inplace_fusion-$head.log" || true
+      timeout 120 python3 -m bench.check_inplace_fusion --head $head 2>&1 || true
     done
-    timeout 280 python3 -m bench.run --budget-s 220 --out "$OUT/soft-d.json" --streams '' \
+    timeout 280 python3 -m bench.run --budget-s 220 --streams '' \
       --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
   soft-e)
@@ -607,87 +614,84 @@ import logging, sys
 logging.basicConfig(format='%(name)s %(levelname)s %(message)s')
 logging.getLogger('erase_fx').setLevel(logging.DEBUG)
 from bench.run import main
-sys.exit(main(sys.argv[1:]))" --budget-s 250 --out "$OUT/soft-e.json" --streams '' \
+sys.exit(main(sys.argv[1:]))" --budget-s 250 --streams '' \
       --configs gpt-soft:16:384:256:8 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step,erase+step/stock-fusion 2>&1 \
       | grep -v "^erase_fx: graph\|INFO" | grep -i "refused\|erase+step\|inductor+step" \
-      | cut -c1-400 | tee "$OUT/soft-e.log" ;;
+      | cut -c1-400 ;;
   redo-a)
     # docs/performance.md's rows still "measured with None", on the defaults (both "auto")
-    timeout 560 python3 -m bench.run --budget-s 500 --out "$OUT/redo-a.json" --streams '' \
+    timeout 560 python3 -m bench.run --budget-s 500 --streams '' \
       --configs tv-mobilenet-dgl:256:64,tv-efficientnet-dgl:128:64,ctr:1024:512:1024:6,mlp:128:2000:2000:4 \
       --sweep-configs '' --trials 3 --variants inductor+step,erase+step 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-c)
     # fold-a measured gpt-soft:16 at 1.37x of stock's step memory (gpt:16 1.00x) before the fix
-    timeout 300 python3 -m bench.run --budget-s 240 --out "$OUT/soft-c.json" --streams '' \
+    timeout 300 python3 -m bench.run --budget-s 240 --streams '' \
       --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true
     timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt-soft:16:384:256:8 \
-      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/soft-c-memprof.md" \
-      || true ;;
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
   fold-a)
     # the race stress where memory is reused across blocks (folded streams), then soft-a's rows
     timeout 270 python3 -m bench.check_step --checks determinism-gpt --steps 400 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-fold-a.log" || true
-    timeout 250 python3 -m bench.run --budget-s 200 --out "$OUT/fold-a.json" --streams '' \
+      | grep -v '^erase_fx: graph' || true
+    timeout 250 python3 -m bench.run --budget-s 200 --streams '' \
       --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
   soft-b)
     # soft-a's rows on the new defaults (they tune), then the small chains not measured yet
-    timeout 380 python3 -m bench.run --budget-s 330 --out "$OUT/soft-b.json" --streams '' \
+    timeout 380 python3 -m bench.run --budget-s 330 --streams '' \
       --configs gpt-soft:16:384:256:8,gpt:16:384:256:8,ctr:1024:512:1024:6,mlp:128:2000:2000:4 \
       --sweep-configs '' --trials 3 --variants inductor+step,erase+step 2>&1 \
       | grep -v '^erase_fx: graph' || true ;;
   soft-a)
     # soft targets made in the forward (copy_input_values_per_block, and assign_streams' rules
     # for a loss that reads them), measured on CPU only so far
-    timeout 400 python3 -m bench.run --budget-s 330 --out "$OUT/soft-a.json" --streams '' \
+    timeout 400 python3 -m bench.run --budget-s 330 --streams '' \
       --configs gpt-soft:16:384:256:8,gpt:16:384:256:8 --sweep-configs '' --trials 3 \
       --variants inductor+step,erase+step 2>&1 | grep -v '^erase_fx: graph' || true
     timeout 150 python3 -m bench.memory_profile --top 3 --configs gpt-soft:16:384:256:8 \
-      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/soft-a-memprof.md" \
-      || true ;;
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' || true ;;
   order-b)
     timeout 560 python3 -m bench.check_step --checks exactness,determinism-gpt --steps 400 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-order-b.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   mem-a)
     # overlap=False (the memory-first setting) and streams=2 where neither was measured
-    timeout 580 python3 -m bench.run --budget-s 500 --out "$OUT/mem-a.json" --streams '' \
+    timeout 580 python3 -m bench.run --budget-s 500 --streams '' \
       --configs tv-resnet18-dgl:256:32,tv-vit-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/one-stream,erase+step/streams=2 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   mem-b)
-    timeout 420 python3 -m bench.run --budget-s 340 --out "$OUT/mem-b.json" --streams '' \
+    timeout 420 python3 -m bench.run --budget-s 340 --streams '' \
       --configs tv-vit-dgl:256:32,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/stages-on-side 2>&1 \
       | grep -v '^erase_fx: graph' || true
-    OUT="$OUT" bash "$0" memprof-d ;;
+    bash "$0" memprof-d ;;
   memprof-d)
     # why gpt:16's side 1 still holds a block's logits and their gradient with
     # keep_inplace_writes (the other side streams hold one of the two): its code kept
-    timeout 200 python3 -m bench.memory_profile --top 3 --out "$OUT/memprof-d-gpt.json" \
-      --keep-code "$OUT/code" --keep-code-of "side 1" --configs gpt:16:384:256:8 \
-      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' | tee "$OUT/memprof-d-gpt.md" ;;
+    timeout 200 python3 -m bench.memory_profile --top 3 \
+      --keep-code "$ART/code" --keep-code-of "side 1" --configs gpt:16:384:256:8 \
+      --variants erase+step 2>&1 | grep -v '^erase_fx: graph' ;;
   memprof-c)
     # why each side stream holds a block's logits and their gradient at once (2 of 64 MiB on
     # gpt:16): the default's generated code kept; then the layout pin's A/B on MobileNetV3
-    timeout 150 python3 -m bench.memory_profile --top 12 --out "$OUT/memprof-c-gpt.json" \
-      --keep-code "$OUT/code" --configs gpt:16:384:256:8 --variants erase+step 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/memprof-c-gpt.md" || true
+    timeout 150 python3 -m bench.memory_profile --top 12 \
+      --keep-code "$ART/code" --configs gpt:16:384:256:8 --variants erase+step 2>&1 \
+      | grep -v '^erase_fx: graph' || true
     python3 -c "import torch, torch._inductor.config as c
 print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
-      for k in ('mix_order_reduction', 'nested_reduction', 'multi_kernel')})" \
-      | tee "$OUT/inductor-reductions.txt"
-    timeout 420 python3 -m bench.run --budget-s 380 --out "$OUT/layout-b.json" --streams '' \
+      for k in ('mix_order_reduction', 'nested_reduction', 'multi_kernel')})"
+    timeout 420 python3 -m bench.run --budget-s 380 --streams '' \
       --configs tv-mobilenet-dgl:256:64 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/layouts-unpinned 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   early-e)
     timeout 400 python3 -m bench.check_step --checks early-optimizer-conv --steps 6 2>&1 \
-      | grep -v '^erase_fx: graph' | tee "$OUT/check_step-early-conv.log" ;;
+      | grep -v '^erase_fx: graph' ;;
   early-d)
-    timeout 560 python3 -m bench.run --budget-s 470 --out "$OUT/early-d.json" --streams '' \
+    timeout 560 python3 -m bench.run --budget-s 470 --streams '' \
       --sweep-configs '' --trials 5 \
       --configs tv-resnet18-dgl:256:32,gpt:16:384:256:8,ctr:16384:1024:2048:6 \
       --variants inductor+step+adam,erase+step+adam/early-optimizer,erase+step+adam 2>&1 \
@@ -711,16 +715,16 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
     run onegraph-d tv-vit-dgl:256:32,tv-efficientnet-dgl:128:64 "$ONEGRAPH" \
       --sweep-configs '' --trials 5 --budget-s 480 ;;
   vision-g)
-    timeout 570 python3 -m bench.run --budget-s 330 --out "$OUT/vision-g.json" --streams '' \
+    timeout 570 python3 -m bench.run --budget-s 330 --streams '' \
       --configs tv-googlenet-aux:128:64 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/all-parts ;;
   layout-a)
-    timeout 570 python3 -m bench.run --budget-s 500 --out "$OUT/layout-a.json" --streams '' \
+    timeout 570 python3 -m bench.run --budget-s 500 --streams '' \
       --configs tv-mobilenet-dgl:256:64,tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/layouts-unpinned 2>&1 \
       | grep -v '^erase_fx: graph' ;;
   vision-i)
-    timeout 340 python3 -m bench.run --budget-s 270 --out "$OUT/vision-i.json" --streams '' \
+    timeout 340 python3 -m bench.run --budget-s 270 --streams '' \
       --configs tv-mobilenet-dgl:256:64 --variants inductor+step,erase+step --sweep-configs '' \
       --trials 5 2>&1 | grep -v '^erase_fx: graph' ;;
   vision-h)
@@ -728,10 +732,9 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
       --sweep-configs '' --trials 5 --budget-s 330 ;;
   kernels-a)
     timeout 540 python3 -m bench.kernel_counts --differences \
-      --configs tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64,tv-googlenet-aux:128:64 \
-      | tee "$OUT/kernel-counts.md" ;;
+      --configs tv-resnet18-dgl:256:32,tv-mobilenet-dgl:256:64,tv-googlenet-aux:128:64 ;;
   streams-a)
-    timeout 480 python3 -m bench.run --budget-s 430 --out "$OUT/streams-a.json" --streams '' \
+    timeout 480 python3 -m bench.run --budget-s 430 --streams '' \
       --configs "$SMALL,gpt:16:384:256:8,ctr:16384:1024:2048:6" --sweep-configs '' \
       --variants inductor+step,erase+step,erase+step/streams=2 --trials 5 || true ;;
   vision-f)
@@ -739,11 +742,11 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
       inductor+step,erase+step,erase+step/stages-on-side --sweep-configs '' --trials 5 ;;
   memory-e)
     timeout 220 python3 -m bench.check_models --budget-s 190 --models gpt-dropout,ctr-dropout \
-      --out "$OUT/models-dropout.json" 2>&1 | tee "$OUT/models-dropout.log" || true
-    timeout 200 python3 -m bench.run --budget-s 150 --out "$OUT/memory-e-vision.json" \
+      2>&1 || true
+    timeout 200 python3 -m bench.run --budget-s 150 \
       --streams '' --configs tv-resnet18-dgl:256:32 --sweep-configs '' --trials 5 \
       --variants inductor+step,erase+step,erase+step/stages-on-main || true
-    timeout 150 python3 -m bench.run --budget-s 110 --out "$OUT/memory-e-streams.json" \
+    timeout 150 python3 -m bench.run --budget-s 110 \
       --streams '' --configs gpt:16:384:256:8,ctr:16384:1024:2048:6 --sweep-configs '' \
       --trials 5 --variants inductor+step,erase+step/streams=2 ;;
   bench-a)
@@ -771,30 +774,29 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
       --trials 5 --steps-per-trial 20 ;;
   checks)
     timeout 540 python3 -m bench.check_cuda --stress-steps 2000 --configs mlp:128:2000:2000:4 \
-      --variants inductor+graph --trials 1 | tee "$OUT/check_cuda.log" ;;
+      --variants inductor+graph --trials 1 ;;
   towers)
     timeout 220 python3 -m bench.check_cuda --parity-config mlp-towers:256:512:1024:4 \
       --stress-steps 300 --configs mlp-towers:512:1024:2048:6 --variants inductor+graph \
-      --trials 1 | tee "$OUT/check_cuda-towers.log" || true
-    python3 -m bench.run --budget-s 330 --out "$OUT/bench-towers.json" --streams '' \
+      --trials 1 || true
+    python3 -m bench.run --budget-s 330 --streams '' \
       --configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 --variants "$CLASSIC" \
       --sweep-configs ctr-towers:4096:1024:2048:6,ctr-towers-top:4096:1024:2048:6 ;;
   paper-ctr-a)
     timeout 580 python3 -m bench.paper.ctr --seed 0 --seeds 3 --budget-s 480 \
-      --name ctr-seeds-0-2 --results-dir "$OUT/paper/parts" ;;
+      --name ctr-seeds-0-2 --results-dir bench/results/paper/parts ;;
   paper-ctr-b)
     # NB: the no-local-loss demonstration ran in part a
     timeout 580 python3 -m bench.paper.ctr --seed 3 --seeds 2 --budget-s 480 --freeze-steps 0 \
-      --name ctr-seeds-3-4 --results-dir "$OUT/paper/parts" ;;
+      --name ctr-seeds-3-4 --results-dir bench/results/paper/parts ;;
   paper-ctr-c)
     timeout 330 python3 -m bench.paper.ctr --seed 5 --seeds 1 --budget-s 300 --freeze-steps 0 \
-      --name ctr-seed-5 --results-dir "$OUT/paper/parts" ;;
+      --name ctr-seed-5 --results-dir bench/results/paper/parts ;;
   paper-ctr-speed)
     timeout 580 python3 -m bench.paper.ctr --variants reduce-overhead,erase+graphs --seeds 5 \
-      --freeze-steps 0 --budget-s 400 --name ctr-speed --results-dir "$OUT/paper" ;;
+      --freeze-steps 0 --budget-s 400 --name ctr-speed ;;
   paper)
-    mkdir -p "$OUT/paper"
-    timeout 230 python3 -m bench.paper.digits --out-dir "$OUT/paper" || true
-    timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa --out-dir "$OUT/paper" || true
-    python3 -m bench.paper.report --results-dir "$OUT/paper" ;;
+    timeout 230 python3 -m bench.paper.digits || true
+    timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa || true
+    python3 -m bench.paper.report ;;
 esac

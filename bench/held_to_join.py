@@ -39,6 +39,9 @@ kind).
 Storage shared with the forward's inputs (parameters, views of them) is not
 counted. Bytes are of the config's dtype on CPU (no autocast): a config run
 in bf16 on a GPU holds about half as many bytes for its activations.
+``--out`` updates a table with the rows (``bash bench/device_run.sh`` gives
+``bench/results/held_to_join.md``, the GPU's; `bench.tables`): a row of the
+same config, device, side streams, folding and stages replaces its own.
 """
 from __future__ import annotations
 
@@ -47,10 +50,12 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from bench.models import build_config, parse_config
+from bench.tables import this_run, update_table
 from erase_fx.emit import program as program_module
 from erase_fx.emit.release import SlotUses, StepIO
 from erase_fx.emit.streams import fold
@@ -273,12 +278,14 @@ def main(argv=None) -> int:
     parser.add_argument("--largest", type=int, default=0, metavar="N",
                         help=f"after the table, the N (at most {LARGEST}) largest values each "
                         "row holds at the join, the forward's returns left out")
+    parser.add_argument("--out", type=Path, help="a table to update with the rows (the GPU's: "
+                        "bench/results/held_to_join.md)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print("| config | side streams | stages | " + " | ".join(f"{k} MiB" for k in KINDS)
           + " | stream peaks MiB (main, side 1, ...) | their sum MiB |")
     print("|---|---|---|" + "---|" * len(KINDS) + "---|---|")
-    listed = []
+    listed, rows = [], []
     for text in args.configs.split(","):
         for streams in (int(n) for n in args.streams.split(",")):
             for on_side in (True, False):
@@ -292,12 +299,35 @@ def main(argv=None) -> int:
                       + " | ".join(f"{held.kinds[k] / 2**20:.1f}" for k in KINDS)
                       + " | " + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
                       + f" | {sum(peaks) / 2**20:.0f} |", flush=True)
+                rows.append({
+                    "config": text, "device": device.type, "side streams": str(streams),
+                    "side CUDA streams": str(args.side_cuda_streams or streams),
+                    "stages": where, **{f"{k} MiB": f"{held.kinds[k] / 2**20:.1f}" for k in KINDS},
+                    "stream peaks MiB (main, side 1, ...)": ", ".join(
+                        f"{p / 2**20:.0f}" for p in peaks),
+                    "their sum MiB": f"{sum(peaks) / 2**20:.0f}"})
     for row, values in listed:
         if values:
             print(f"\nlargest held at the join, {row}:")
             for value in values:
                 print(f"- {value}")
+    if args.out:
+        update_table(args.out, title=TITLE, intro=INTRO, columns=COLUMNS, key=KEY, rows=rows,
+                     run=this_run("bench.held_to_join", argv),
+                     order=lambda row: tuple(row.get(k, "") for k in KEY))
     return 0
+
+
+KEY = ("config", "device", "side streams", "side CUDA streams", "stages")
+COLUMNS = (*KEY, *(f"{k} MiB" for k in KINDS), "stream peaks MiB (main, side 1, ...)",
+           "their sum MiB")
+TITLE = "bench.held_to_join: what a captured forward holds until the join"
+INTRO = """\
+Written by `python -m bench.held_to_join --out bench/results/held_to_join.md` (on the GPU,
+`bash bench/device_run.sh memory-f`): a row per config, device, side-stream count, folding
+and place of the stages, replaced when run again; `git log -p bench/results/held_to_join.md`
+shows what each run changed. MiB held at the join by kind, and each stream's high-water
+mark of those values (`-` where the run that measured a row did not report it)."""
 
 
 if __name__ == "__main__":

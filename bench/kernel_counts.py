@@ -15,7 +15,10 @@ than the other. What a segment boundary
 costs in fusion shows as fused kernels erase has beyond stock; extern calls
 (the matrix work) should match. A compile-time view, not a timing: CPU and
 GPU code differ (layout choices such as channels-last are made for GPUs
-only), so the GPU's figures are those a GPU run prints.
+only), so the GPU's figures are those a GPU run prints. A GPU run updates the
+current table, ``bench/results/kernel_counts.md`` (``--out``; a CPU run only
+when ``--out`` names a file; `bench.tables`): a config, device and backend
+counted again replaces its row.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from bench.models import build_config, parse_config
+from bench.tables import default_out, this_run, update_table
 
 BACKENDS = ("inductor", "erase")
 #: A fused kernel's definition in Inductor's output code (C++ on CPU, Triton on a GPU).
@@ -96,8 +100,12 @@ def main(argv=None) -> int:
     parser.add_argument("--differences", action="store_true",
                         help="after the table, the fused kernels (by name: the ops they fuse) "
                         "each backend has more of than the other")
+    parser.add_argument("--out", help="the table to update (default on a GPU: "
+                        "bench/results/kernel_counts.md; '' for none)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    out = default_out("kernel_counts.md", device.type == "cuda", args.out)
+    rows = []
     print("| config | backend | modules | fused kernels | extern calls |")
     print("|---|---|---|---|---|")
     found: dict[str, dict[str, KernelCounts]] = {}
@@ -108,6 +116,9 @@ def main(argv=None) -> int:
             externs = ", ".join(f"{k} {v}" for k, v in counts.externs.items())
             print(f"| {text} | {backend} | {counts.modules} | {counts.fused} | {externs} |",
                   flush=True)
+            rows.append({"config": text, "device": device.type, "backend": backend,
+                         "modules": str(counts.modules), "fused kernels": str(counts.fused),
+                         "extern calls": externs})
             print(f"{text} {backend}: compiled and ran in {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
     if args.differences:
@@ -118,7 +129,23 @@ def main(argv=None) -> int:
                       + ("" if extra else ": none"))
                 for name, n in sorted(extra.items(), key=lambda item: (-item[1], item[0])):
                     print(f"- {n} x {name}")
+    if out is not None:
+        update_table(out, title=TITLE, intro=INTRO,
+                     columns=("config", "device", "backend", "modules", "fused kernels",
+                              "extern calls"),
+                     key=("config", "device", "backend"), rows=rows,
+                     run=this_run("bench.kernel_counts", argv),
+                     order=lambda row: (row["config"], row["device"], row["backend"]))
     return 0
+
+
+TITLE = "bench.kernel_counts: the kernels Inductor writes for a step, stock against erase"
+INTRO = """\
+Written by `python -m bench.kernel_counts` (on the GPU, `bash bench/device_run.sh
+kernels-a`): a row per config, device and backend, replaced when counted again; `git log -p
+bench/results/kernel_counts.md` shows what each run changed. Modules compiled, fused kernels
+defined, extern calls by name (`--differences` prints the fused kernels one backend has
+beyond the other's)."""
 
 
 if __name__ == "__main__":

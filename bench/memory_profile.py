@@ -32,7 +32,10 @@ nodes in the order the scheduler holds them, from Inductor's debug trace,
 matched to the file by its code, `debug_ir_of`), to read why a kernel runs
 where it does.
 
-Example (the H200's figures are in ``bench/results``)::
+Each config and variant's report updates its section of the current table,
+``bench/results/memory.md`` (``--out``; `bench.tables`): profiled again, a
+config and variant replaces its section, the others stay with their date and
+command. Example::
 
     python -m bench.memory_profile --configs gpt:16:384:256:8 \\
         --variants inductor+step,erase+step,erase+step/streams=0 --top 6
@@ -51,12 +54,14 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from bench.harness import in_graph_pool
+from bench.tables import RESULTS, this_run, update_sections
 
 MIB = 2**20
 #: A frame whose file lies under one of these is the allocator's caller's machinery, not
@@ -419,7 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", default="inductor+step,erase+step")
     parser.add_argument("--top", type=int, default=8,
                         help="allocations listed per stream at its high-water mark")
-    parser.add_argument("--out", help="write the reports here as JSON too")
+    parser.add_argument("--out", default=str(RESULTS / "memory.md"),
+                        help="the sections file to update ('' for none)")
+    parser.add_argument("--json", help="write the reports here as JSON too")
     parser.add_argument("--keep-code", metavar="DIR",
                         help="copy the generated files the listed allocations were made in here")
     parser.add_argument("--keep-code-of", metavar="STREAMS",
@@ -434,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.memory_profile needs a CUDA device", file=sys.stderr)
         return 2
-    results = []
+    results, sections, run = [], [], this_run("bench.memory_profile", argv)
     for cfg_text in args.configs.split(","):
         for variant in args.variants.split(","):
             print(f"{cfg_text} {variant} ...", flush=True)
@@ -448,10 +455,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "config": cfg_text, "variant": variant, "error": repr(error)}
             print(text + "\n", flush=True)
             results.append(data)
-    if args.out:
-        with open(args.out, "w") as f:
+            sections.append(section_of(text))
+            if args.out:  # NB: after each variant, so a run cut short keeps what it measured
+                update_sections(Path(args.out), title=TITLE, intro=INTRO, sections=sections,
+                                run=run)
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+TITLE = "bench.memory_profile: where each stream's graph pool goes"
+INTRO = """\
+Written by `python -m bench.memory_profile` (on the GPU, `bash bench/device_run.sh <part>`):
+a section per config and variant, replaced when that pair is profiled again; `git log -p
+bench/results/memory.md` shows what each run changed. Each: the step graph's pools by
+stream (pool, high-water mark, the largest allocations alive then, each with the generated
+line that made it), and where a pool grew while the request's size was free in it."""
+
+
+def section_of(text: str) -> tuple[str, str]:
+    """A report (`format_report`, or a failure) as a section: (config and variant, the rest)."""
+    heading, _, rest = text.partition("\n")
+    key, _, summary = heading.removeprefix("## ").partition(": ")
+    return key, f"{summary}\n{rest}".strip("\n")
 
 
 if __name__ == "__main__":

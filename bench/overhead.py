@@ -5,7 +5,8 @@ around the replays (AOTAutograd's wrappers, the autograd engine, copies into
 static buffers, gradient clones). This profiles that work with cProfile for
 each variant (`bench.harness`'s names: ``reduce-overhead``, ``erase+graphs``,
 ``erase+step``, ...), side by side, and prints the functions with the most
-own time. Needs a GPU.
+own time. Each config and variant updates its section of the current table,
+``bench/results/overhead.md`` (``--out``; `bench.tables`). Needs a GPU.
 """
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ import io
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from bench.harness import build_step
 from bench.models import build_config, parse_config
+from bench.tables import RESULTS, this_run, update_sections
 
 
 def profile_variant(cfg, name: str, steps: int, top: int,
-                    trace_dir: str | None = None) -> None:
+                    trace_dir: str | None = None) -> str:
+    """Profile one variant's step; what it prints, as one text (the CPU time per step first)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -46,15 +50,18 @@ def profile_variant(cfg, name: str, steps: int, top: int,
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(top)
-    print(f"=== {cfg} {name}: {1e3 * cpu_s:.3f} ms of CPU per step to issue it "
-          f"(no profiler); cProfile over {steps} steps, by own time:")
-    print(out.getvalue())
+    text = (f"{1e3 * cpu_s:.3f} ms of CPU per step to issue it (no profiler); cProfile over "
+            f"{steps} steps, by own time:\n{out.getvalue()}")
+    print(f"=== {cfg} {name}: {text}")
     if trace_dir:
-        trace_steps(step, f"{trace_dir}/{name.replace('+', '_').replace('/', '_')}.json", top)
+        text += trace_steps(
+            step, f"{trace_dir}/{name.replace('+', '_').replace('/', '_')}.json", top)
+    return text
 
 
-def trace_steps(step, path: str, top: int, steps: int = 10) -> None:
-    """torch.profiler over a few steps: the CPU calls and kernels that take the time."""
+def trace_steps(step, path: str, top: int, steps: int = 10) -> str:
+    """torch.profiler over a few steps: the CPU calls and kernels that take the time (printed
+    and returned)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -62,11 +69,13 @@ def trace_steps(step, path: str, top: int, steps: int = 10) -> None:
             step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    print(f"torch.profiler over {steps} steps, by self CPU time:")
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=top))
-    print(f"torch.profiler over {steps} steps, by device time:")
-    print(averages.table(sort_by="self_device_time_total", row_limit=top))
+    text = (f"torch.profiler over {steps} steps, by self CPU time:\n"
+            f"{averages.table(sort_by='self_cpu_time_total', row_limit=top)}\n"
+            f"torch.profiler over {steps} steps, by device time:\n"
+            f"{averages.table(sort_by='self_device_time_total', row_limit=top)}\n")
+    print(text)
     prof.export_chrome_trace(path)
+    return text
 
 
 def main(argv=None) -> int:
@@ -77,11 +86,26 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--trace-dir", help="also run torch.profiler and write Chrome traces here")
+    parser.add_argument("--out", default=str(RESULTS / "overhead.md"),
+                        help="the sections file to update ('' for none)")
     args = parser.parse_args(argv)
     cfg = parse_config(args.config)
+    run, sections = this_run("bench.overhead", argv), []
     for name in args.variants.split(","):
-        profile_variant(cfg, name, args.steps, args.top, args.trace_dir)
+        text = profile_variant(cfg, name, args.steps, args.top, args.trace_dir)
+        sections.append((f"{cfg} {name}", f"```\n{text.rstrip()}\n```"))
+        if args.out:
+            update_sections(Path(args.out), title=TITLE, intro=INTRO, sections=sections, run=run)
     return 0
+
+
+TITLE = "bench.overhead: where a step's CPU time goes"
+INTRO = """\
+Written by `python -m bench.overhead` (on the GPU, `bash bench/device_run.sh overhead-a`):
+a section per config and variant, replaced when that pair is profiled again; `git log -p
+bench/results/overhead.md` shows what each run changed. Each: the CPU time to issue one
+step (no profiler), then cProfile's functions by own time (and torch.profiler's tables
+where the run asked for traces)."""
 
 
 if __name__ == "__main__":

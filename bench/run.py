@@ -53,22 +53,24 @@ marked random), achieved TFLOP/s (matrix FLOPs, where counted), and for
 capturing, and for erase rows the early blocks its compiled program
 scheduled (`early_info`: the judged limits depend on it). A variant that
 raises gives a row with its error; the run goes on. Timing runs with tf32
-and cudnn.benchmark on. Writes ``bench/results/<date>-<gpu>.json`` and a
-Markdown table beside it, with each erase row's ratios to its stock
-variants (`Variant.stock`) and the targets (`TIME_TARGETS`,
-`memory_targets`) judged on ratios of this run (erase against stock: at
-most 1.00x where it scheduled early blocks, 1.02x where it has none);
-prints a progress line per variant. Needs a GPU.
+and cudnn.benchmark on. Updates the current table, ``bench/results/step.json``
+(``--out``) and ``step.md`` beside it: a row measured again replaces the
+row of the same config, variant, GPU and CUDA allocator, the others stay,
+each with its date, machine and command (`bench.tables`; history in git).
+Each row keeps its ratios to the variants it is compared with, measured in
+its own run (``vs``: its stock variants, `Variant.stock`, and the targets'
+baselines), and the targets (`TIME_TARGETS`, `memory_targets`) are judged
+on those (erase against stock: at most 1.00x where it scheduled early
+blocks, 1.02x where it has none). The table is rewritten after every row.
+Prints a progress line per variant. Needs a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
-import datetime
 import gc
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -81,6 +83,7 @@ from erase_fx.early_update import describe_refusals
 from bench.harness import (WARMUP_STEPS, StepMemory, Variant, allocator_backend, build_step,
                            canonical, grads_of, judged_erase, max_rel_err, set_tf32, time_steps)
 from bench.models import build_config, config_flops, is_random, parse_config, takes_paper_scheme
+from bench.tables import RESULTS, Run, merge_rows, numbered, this_run
 from bench.vision import VISION_CONFIGS
 
 CONFIGS = ("ctr:1024:512:1024:6", "mlp:512:1024:2048:6", "mlp:128:2000:2000:4",
@@ -94,7 +97,8 @@ VARIANTS = ("eager", "paper", "inductor", "reduce-overhead", "inductor+graph", "
 ADAM_VARIANTS = ("inductor+graph+adam", "inductor+step+adam", "erase+step+adam")
 #: The erase forms that get a ``/one-stream`` row on the sweep configs (when asked for).
 ONE_STREAM_FORMS = ("erase+graphs", "erase+step-graph", "erase+step")
-RESULTS = Path(__file__).parent / "results"
+#: The current table of bench.run's rows (``step.md`` beside it).
+TABLE = RESULTS / "step.json"
 
 
 def measure(cfg, name: str, base, inputs, reference, args) -> dict:
@@ -304,17 +308,79 @@ def memory_targets(rows) -> list[Target]:
     return targets
 
 
+#: What a row records of the run that measured it (`stamped`).
+RUN_FIELDS = ("date", "command", "gpu", "torch", "allocator", "trials", "steps_per_trial")
+#: A row measured again replaces the table's row with the same values of these.
+KEY = ("config", "variant", "gpu", "allocator")
+#: A row's key -> the name of its ratio in ``vs``.
+MEASURES = {"ms_median": "time", "mem_bytes": "memory"}
+
+
+def _run_of(row: dict) -> tuple:
+    return tuple(row.get(field) for field in ("date", "command", "gpu", "allocator"))
+
+
 def _measured(rows) -> dict:
     return {(r["config"], r["variant"]): r for r in rows if "error" not in r}
 
 
+def baselines(variant: str) -> list[str]:
+    """The variants a row of ``variant`` keeps its ratios to: its stock variants, the
+    baselines of its targets, and the table's two columns (inductor+graph, reduce-overhead)."""
+    try:
+        stock = Variant.parse(variant).stock()
+    except ValueError:
+        stock = []
+    targets = [t.baseline for t in TIME_TARGETS if t.variant == variant]
+    return [b for b in dict.fromkeys([*stock, *targets, "inductor+graph", "reduce-overhead"])
+            if b != variant]
+
+
+def _over(mine: float | None, theirs: float | None) -> float | None:
+    return None if mine is None or theirs is None or theirs <= 0 else mine / theirs
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """The rows, each that has no ``vs`` given its ratios to its `baselines` measured in its
+    own run (the rows of its date, command, GPU and allocator), e.g. ``{"inductor+step":
+    {"time": 0.9, "memory": 1.2, "memory_without_workspaces": 1.1}}``.
+
+    NB: kept in the row, so that a row compares with its own run's baseline after the
+    table took a later run's row of that baseline (each run measures both side by side).
+    """
+    runs: dict[tuple, dict] = {}
+    for r in rows:
+        if "error" not in r:
+            runs.setdefault(_run_of(r), {})[(r["config"], r["variant"])] = r
+    out = []
+    for r in rows:
+        if "vs" in r or "error" in r:
+            out.append(r)
+            continue
+        measured, vs = runs[_run_of(r)], {}
+        for baseline in baselines(r["variant"]):
+            other = measured.get((r["config"], baseline))
+            if other is None:
+                continue
+            ratios = {name: _over(r.get(key), other.get(key)) for key, name in MEASURES.items()}
+            ratios["memory_without_workspaces"] = _over(_memory_without_workspaces(r),
+                                                        _memory_without_workspaces(other))
+            ratios = {name: value for name, value in ratios.items() if value is not None}
+            if ratios:
+                vs[baseline] = ratios
+        out.append(dict(r, vs=vs))
+    return out
+
+
+def _ratio_of(row: dict, baseline: str, measure: str) -> float | None:
+    return row.get("vs", {}).get(baseline, {}).get(measure)
+
+
 def ratio(rows, config, variant, baseline, key: str = "ms_median") -> float | None:
-    """``variant``'s ``key`` over ``baseline``'s on ``config``, None where either is missing."""
-    measured = _measured(rows)
-    a, b = measured.get((config, variant)), measured.get((config, baseline))
-    if a is None or b is None or a.get(key) is None or b.get(key) is None or b[key] <= 0:
-        return None
-    return a[key] / b[key]
+    """``variant``'s ``key`` over ``baseline``'s on ``config``, measured in one run; None
+    where either is missing."""
+    row = _measured(with_ratios(rows)).get((config, variant))
+    return None if row is None else _ratio_of(row, baseline, MEASURES[key])
 
 
 def early_blocks(rows, config: str, variant: str) -> int | None:
@@ -325,29 +391,30 @@ def early_blocks(rows, config: str, variant: str) -> int | None:
 
 
 def judge_targets(rows) -> list[dict]:
-    """The targets met or missed: ratios from this run, in `TIME_TARGETS` then memory order.
+    """The targets met or missed, in `TIME_TARGETS` then memory order, each judged on the
+    ratio its row keeps (`with_ratios`: measured side by side in the row's own run).
 
     A target with an ``early`` condition judges a config by the early blocks
     the variant's own row records; each verdict carries them
-    (``early_blocks``) and the reason for its limit (``why``).
+    (``early_blocks``), the reason for its limit (``why``) and the row's date.
     """
-    configs = list(dict.fromkeys(r["config"] for r in rows))
+    rows = with_ratios(rows)
     judged = []
     for target in (*TIME_TARGETS, *memory_targets(rows)):
-        key = "ms_median" if target.measure == "time" else "mem_bytes"
-        for config in configs:
-            if not target.applies(config):
+        for r in rows:
+            if ("error" in r or r["variant"] != target.variant
+                    or not target.applies(r["config"])):
                 continue
-            blocks = early_blocks(rows, config, target.variant)
+            blocks = r.get("early_blocks")
             if not target.applies_to_early(blocks):
                 continue
-            value = ratio(rows, config, target.variant, target.baseline, key)
+            value = _ratio_of(r, target.baseline, target.measure)
             if value is not None:
-                judged.append({"variant": target.variant, "config": config,
+                judged.append({"variant": target.variant, "config": r["config"],
                                "vs": target.baseline, "measure": target.measure,
                                "ratio": value, "limit": target.limit,
                                "met": value <= target.limit, "early_blocks": blocks,
-                               "why": _why(target, blocks)})
+                               "why": _why(target, blocks), "date": r.get("date")})
     return judged
 
 
@@ -359,83 +426,91 @@ def _why(target: Target, blocks: int | None) -> str:
     return target.why
 
 
-# -- the results file -----------------------------------------------------------------
+# -- the table ------------------------------------------------------------------------
 
 
-COLUMNS = ("config", "variant", "ms median", "min", "max", "vs inductor+graph",
+COLUMNS = ("config", "variant", "date", "run", "ms median", "min", "max", "vs inductor+graph",
            "vs reduce-overhead", "vs stock", "TFLOP/s", "peak MiB", "step peak MiB", "kept MiB",
-           "step memory MiB", "memory vs stock", "compile s", "grad max rel err vs eager", "notes")
+           "step memory MiB", "memory vs stock", "compile s", "grad max rel err vs eager",
+           "notes")
+INTRO = """\
+Written by `python -m bench.run` (on the GPU, `bash bench/device_run.sh <part>`): a run
+replaces the rows of the configs and variants it measured (on the same GPU and CUDA
+allocator) and leaves the others; `git log -p bench/results/step.md` shows what each run
+changed. One training step (forward, backward, and Adam's update in +adam rows), tf32 on;
+median, min and max over the run's trials of the mean step time (CUDA events). Ratios
+(the vs columns and the targets) are between rows measured side by side in one run, and a
+row keeps them when a later run replaces its baseline's row.
+
+Memory: peak = `max_memory_allocated` over the timed steps; step peak = that minus what was
+allocated before them; kept = what the compiled program holds between steps (graph pools,
+static buffers) beyond the model's parameters, buffers, grads and optimizer state (cuBLAS
+workspaces of the streams it uses included, cleared before each row; notes give their
+share); step memory = kept + step peak (judged). vs stock: ratio to each stock variant the
+row is compared with."""
 
 
-def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
-    lines = [
-        f"# erase_fx GPU benchmark, {meta['date']}",
-        "",
-        f"{meta['gpu']}, torch {meta['torch']}, CUDA allocator "
-        f"{meta.get('allocator', 'native')}, tf32 on; one training step (forward, "
-        f"backward, and Adam's update in +adam rows); median, min and max of "
-        f"{meta['trials']} trials of {meta['steps_per_trial']} steps (CUDA events). "
-        f"Command: `{meta['command']}`.",
-        "",
-        "Memory: peak = `max_memory_allocated` over the timed steps; step peak = that minus "
-        "what was allocated before them; kept = what the compiled program holds between steps "
-        "(graph pools, static buffers) beyond the model's parameters, buffers, grads and "
-        "optimizer state (cuBLAS workspaces of the streams it uses included, cleared before "
-        "each row; notes give their share); step memory = kept + step peak (judged). vs "
-        "stock: ratio to each stock variant the row is compared with.",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
+def _run(row: dict) -> Run:
+    machine = (f"{row.get('gpu')}, torch {row.get('torch')}, {row.get('allocator') or 'native'}"
+               f" allocator, {row.get('trials')} trials of {row.get('steps_per_trial')} steps")
+    return Run(row.get("date") or "-", machine, row.get("command") or "-")
+
+
+def markdown(rows: list[dict], targets: list[dict]) -> str:
+    """The table's Markdown: a line per row, the targets judged, the runs they come from."""
+    rows = with_ratios(rows)
+    numbers = numbered(_run(r) for r in rows)
+    lines = ["# bench.run: the current rows", "", INTRO, "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
+        # NB: a row under another CUDA allocator is a row of its own (`KEY`): say so
+        allocator = r.get("allocator") or "native"
+        variant = r["variant"] + ("" if allocator == "native" else f" ({allocator})")
+        when = [r["config"], variant, r.get("date") or "-", str(numbers[_run(r)])]
         if "error" in r:
-            cells = [r["config"], r["variant"], *["-"] * (len(COLUMNS) - 3),
-                     f"failed: {r['error'][:200]}"]
+            cells = [*when, *["-"] * (len(COLUMNS) - 5), f"failed: {r['error'][:200]}"]
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        config, variant = r["config"], r["variant"]
         err = r.get("grad_max_rel_err")
         err_text = "-" if err is None else f"{err:.1e}" + (" (random)" if r.get("grad_random")
                                                            else "")
         cells = [
-            config, variant, f"{r['ms_median']:.3f}", f"{r['ms_min']:.3f}", f"{r['ms_max']:.3f}",
-            _x(ratio(rows, config, variant, "inductor+graph")),
-            _x(ratio(rows, config, variant, "reduce-overhead")),
-            _vs_stock(rows, r, "ms_median"), _tflops(r.get("tflops")).strip(),
+            *when, f"{r['ms_median']:.3f}", f"{r['ms_min']:.3f}", f"{r['ms_max']:.3f}",
+            _x(_ratio_of(r, "inductor+graph", "time")),
+            _x(_ratio_of(r, "reduce-overhead", "time")),
+            _vs_stock(r, "time"), _tflops(r.get("tflops")).strip(),
             _mib(r.get("peak_mem_bytes")), _mib(r.get("step_peak_bytes")),
-            _mib(r.get("kept_bytes")), _mib(r.get("mem_bytes")), _vs_stock(rows, r, "mem_bytes"),
+            _mib(r.get("kept_bytes")), _mib(r.get("mem_bytes")), _vs_stock(r, "memory"),
             f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-", err_text,
-            (_notes(r) + _without_workspaces_note(rows, r)).lstrip(", ") or "-",
+            (_notes(r) + _without_workspaces_note(r)).lstrip(", ") or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Targets (ratios of medians, and of step memory, in this run). Erase against "
-              "its stock variant: never slower (<= 1.00x) where its compiled program scheduled "
-              "early blocks (or its row does not record them), within 1.02x where it has none "
-              "and is stock Inductor; the last column says which limit applies and why:", "",
-              "| variant | config | against | measure | ratio | target | | why |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Targets (ratios of medians, and of step memory, in each row's run). Erase "
+              "against its stock variant: never slower (<= 1.00x) where its compiled program "
+              "scheduled early blocks (or its row does not record them), within 1.02x where it "
+              "has none and is stock Inductor; the `why` column says which limit applies and "
+              "why:", "",
+              "| variant | config | against | measure | ratio | target | | why | date |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['variant']} | {t['config']} | {t['vs']} | "
                      f"{t.get('measure', 'time')} | {t['ratio']:.2f} | <= {t['limit']:.2f} | "
-                     f"{'met' if t['met'] else 'MISSED'} | {t.get('why') or '-'} |")
+                     f"{'met' if t['met'] else 'MISSED'} | {t.get('why') or '-'} | "
+                     f"{t.get('date') or '-'} |")
+    runs = sorted(numbers.items(), key=lambda item: item[1])
+    lines += ["", "Runs (the `run` column):", "", *(run.line(n) for run, n in runs)]
     return "\n".join(lines) + "\n"
 
 
-def _vs_stock(rows, r, value: str | Callable[[dict], float | None]) -> str:
-    """``r``'s value (a row's key, or a function of a row) over each measured stock variant's
-    on its config: "0.90x inductor+step", "-" where there is none."""
+def _vs_stock(r: dict, measure: str) -> str:
+    """``r``'s ratios (``time``, ``memory``, ``memory_without_workspaces``) to each stock
+    variant it kept one for: "0.90x inductor+step", "-" where there is none."""
     try:
         stock = Variant.parse(r["variant"]).stock()
     except ValueError:
         return "-"
-    of = value if callable(value) else (lambda row: row.get(value))
-    measured = _measured(rows)
-    mine, parts = of(r), []
-    for s in stock:
-        other = measured.get((r["config"], s))
-        theirs = None if other is None else of(other)
-        if mine is not None and theirs is not None and theirs > 0:
-            parts.append(f"{mine / theirs:.2f}x {s}")
+    parts = [f"{value:.2f}x {s}" for s in stock
+             if (value := _ratio_of(r, s, measure)) is not None]
     return "; ".join(parts) or "-"
 
 
@@ -447,11 +522,13 @@ def _memory_without_workspaces(row: dict) -> float | None:
     it can be most of what erase's side streams add. The targets judge the
     whole figure; the notes say how much of a ratio is that constant.
     """
-    return row["mem_bytes"] - row["workspace_bytes"] if row.get("workspace_bytes") else None
+    if row.get("workspace_bytes") and row.get("mem_bytes") is not None:
+        return row["mem_bytes"] - row["workspace_bytes"]
+    return None
 
 
-def _without_workspaces_note(rows, r) -> str:
-    ratios = _vs_stock(rows, r, _memory_without_workspaces)
+def _without_workspaces_note(r: dict) -> str:
+    ratios = _vs_stock(r, "memory_without_workspaces")
     return "" if ratios == "-" else f", memory without cuBLAS workspaces {ratios}"
 
 
@@ -473,7 +550,7 @@ def _notes(r: dict) -> str:
         text += f", not captured: {str(r['uncaptured_reason'])[:160]}"
     if r.get("capture_trials"):
         text += f", {r['capture_chosen']} chosen of {r['capture_trials']}"
-    return text
+    return text.replace("|", "/")
 
 
 def _x(value: float | None) -> str:
@@ -521,15 +598,16 @@ def main(argv=None) -> int:
                         "none)")
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--steps-per-trial", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results file (default bench/results/<date>-<gpu>.json)")
+    parser.add_argument("--out", type=Path, default=TABLE,
+                        help="the table to update (default bench/results/step.json; the "
+                        "Markdown beside it)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new row after this many seconds (a device call has a "
-                        "time limit); the results file is rewritten after every config, so "
-                        "what ran is kept either way")
+                        "time limit); the table is rewritten after every row, so what ran is "
+                        "kept either way")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
-                        help="no run: merge results files of runs split across device calls "
-                        "(same GPU and torch) into --out")
+                        help="no run: take the rows of these results files (tables, or one "
+                        "run's file), in order, into --out as if each had just run")
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
@@ -545,15 +623,13 @@ def main(argv=None) -> int:
         print("bench.run needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    words = sys.argv[1:] if argv is None else argv
-    meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "trials": args.trials,
-            "steps_per_trial": args.steps_per_trial, "tf32": True, "cudnn_benchmark": True,
-            "allocator": allocator_backend(),
-            "command": " ".join(["python -m bench.run", *words])}
-    print(f"torch {meta['torch']} on {gpu}, CUDA allocator {meta['allocator']}", flush=True)
-    out = args.out or RESULTS / f"{date}-{_slug(gpu)}.json"
+    run = this_run("bench.run", argv, machine_text="")
+    meta = {"date": run.date, "command": run.command, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "allocator": allocator_backend(),
+            "trials": args.trials, "steps_per_trial": args.steps_per_trial}
+    print(f"torch {meta['torch']} on {meta['gpu']}, CUDA allocator {meta['allocator']}",
+          flush=True)
+    table = load(args.out) if args.out.exists() else []
     start = time.perf_counter()
 
     def out_of_time() -> bool:
@@ -566,45 +642,76 @@ def main(argv=None) -> int:
         # NB: written after every row, so a run killed mid-config keeps what it measured
         done = list(rows)
         rows += run_config(cfg, names, args, out_of_time,
-                           on_row=lambda new: write(out, meta, done + new, quiet=True))
-    write(out, meta, rows)
+                           on_row=lambda new: write(
+                               args.out, merge_table(table, stamped(done + new, meta)),
+                               quiet=True))
+    write(args.out, merge_table(table, stamped(rows, meta)))
     return 0
 
 
-def _slug(gpu: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+def stamped(rows: list[dict], meta: dict) -> list[dict]:
+    """One run's rows as table rows: each with its run's fields (`RUN_FIELDS`, from the
+    run's ``meta``; files before 2026-12-02 ran the native allocator and do not say so),
+    its variant's current name, and its ratios (`with_ratios`)."""
+    fields = {field: meta.get(field) for field in RUN_FIELDS}
+    fields["allocator"] = fields["allocator"] or "native"
+    return with_ratios([{**row, **fields, "variant": canonical(row["variant"])}
+                        for row in rows])
 
 
-def write(out: Path, meta: dict, rows: list[dict], quiet: bool = False) -> None:
+def merge_table(table: list[dict], rows: list[dict]) -> list[dict]:
+    """``table`` with each row that has the `KEY` of one of ``rows`` replaced by it, the
+    others added, in the table's order (`order`)."""
+    merged = merge_rows([(r, None) for r in table], [(r, None) for r in rows], KEY)
+    return sorted((row for row, _ in merged), key=order)
+
+
+#: Config families in the table's order; the configs of `CONFIGS` and `GPT_CONFIGS` first.
+FAMILIES = ("ctr", "mlp", "ctr-towers", "mlp-towers", "ctr-towers-top", "mlp-towers-top",
+            "gpt", "gpt-soft", "tv")
+
+
+def order(row: dict) -> tuple:
+    """Where a row goes in the table: by config (the default configs first, then by family),
+    then by variant (`VARIANTS` order of the form before any control, then the control)."""
+    config, variant = row["config"], row["variant"]
+    known = (*CONFIGS, *GPT_CONFIGS)
+    family = config.split(":")[0]
+    family = "tv" if family.startswith("tv-") else family
+    where = (known.index(config),) if config in known else (
+        len(known), FAMILIES.index(family) if family in FAMILIES else len(FAMILIES), config)
+    form, _, control = variant.partition("/")
+    forms = (*VARIANTS, *ADAM_VARIANTS)
+    return (*where, forms.index(form) if form in forms else len(forms), form, control,
+            row.get("gpu") or "", row.get("allocator") or "")
+
+
+def load(path: Path) -> list[dict]:
+    """The rows of a table, or of one run's results file (``{"meta", "rows"}``, as bench.run
+    wrote before the table), stamped with that run."""
+    data = json.loads(path.read_text())
+    if "meta" in data:
+        return stamped(data["rows"], data["meta"])
+    return with_ratios([dict(row, variant=canonical(row["variant"])) for row in data["rows"]])
+
+
+def write(out: Path, rows: list[dict], quiet: bool = False) -> None:
     targets = judge_targets(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets}, indent=1) + "\n")
-    table = markdown(meta, rows, targets)
+    out.write_text(json.dumps({"rows": rows, "targets": targets}, indent=1) + "\n")
+    table = markdown(rows, targets)
     out.with_suffix(".md").write_text(table)
     if not quiet:
-        print("\n" + table)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+        print(f"wrote {out} and {out.with_suffix('.md')} ({len(rows)} rows)")
 
 
-def _machine(meta: dict) -> tuple:
-    """What two runs must share to be merged (files before 2026-12-02 ran the native allocator)."""
-    return meta["gpu"], meta["torch"], meta.get("allocator", "native")
-
-
-def merge(parts: list[Path], out: Path | None) -> int:
-    """One results file from runs split across device calls (each call has a time limit)."""
-    loaded = [json.loads(p.read_text()) for p in parts]
-    first = loaded[0]["meta"]
-    for other in loaded[1:]:
-        if _machine(other["meta"]) != _machine(first):
-            print(f"cannot merge runs on different GPUs, torch versions or CUDA allocators: "
-                  f"{parts}",
-                  file=sys.stderr)
-            return 2
-    meta = dict(first, command=" ; ".join(part["meta"]["command"] for part in loaded))
-    rows = [dict(row, variant=canonical(row["variant"])) for part in loaded
-            for row in part["rows"]]
-    write(out or RESULTS / f"{first['date']}-{_slug(first['gpu'])}.json", meta, rows)
+def merge(parts: list[Path], out: Path) -> int:
+    """Take the rows of ``parts``, in order, into the table ``out`` (each part's rows
+    replace those with their key, as a run's would)."""
+    table = load(out) if out.exists() else []
+    for part in parts:
+        table = merge_table(table, load(part))
+    write(out, table)
     return 0
 
 

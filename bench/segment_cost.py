@@ -23,7 +23,9 @@ The gap between the second and third rows is what the boundaries cost;
 between the second and fourth, what the overlap wins. ``--trace-dir`` also
 writes a torch.profiler trace of 10 steps of each row (kernels inside the
 CUDA graph included) and prints the GPU time per step by kernel family.
-Needs a GPU.
+The rows update the current table, ``bench/results/segment_cost.md``
+(``--out``; `bench.tables`): a config and row measured again replaces its
+own. Needs a GPU.
 """
 from __future__ import annotations
 
@@ -32,11 +34,13 @@ import collections
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from bench.harness import build_step
 from bench.models import build_config, parse_config
+from bench.tables import RESULTS, this_run, update_table
 
 #: (label, bench variant)
 ROWS = (
@@ -121,6 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-recompute", action="store_true",
                         help="also the segmented rows with recompute_boundary_values=False")
     parser.add_argument("--trace-dir", help="write a profiler trace of each row here")
+    parser.add_argument("--out", default=str(RESULTS / "segment_cost.md"),
+                        help="the table to update ('' for none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.segment_cost needs a CUDA GPU", file=sys.stderr)
@@ -128,11 +134,14 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     rows = list(ROWS) + list(NO_RECOMPUTE_ROWS if args.no_recompute else ())
-    tables = []
+    tables, run = [], this_run("bench.segment_cost", argv)
     for text in args.configs.split(","):
         cfg = parse_config(text)
         measured = [measure(cfg, *row, args) for row in rows]
         tables.append((cfg, measured))
+        if args.out:
+            update_table(Path(args.out), title=TITLE, intro=INTRO, columns=COLUMNS,
+                         key=("config", "row"), rows=table_rows(cfg, measured, args), run=run)
     print(f"\ntorch {torch.__version__} on {torch.cuda.get_device_name()}: one step through "
           f"compile_step, median (min, max) of {args.trials} x {args.steps} steps")
     for cfg, measured in tables:
@@ -150,6 +159,26 @@ def main(argv=None) -> int:
                 print(f"| {family} | " + " | ".join(
                     f"{row['families'].get(family, 0):.0f}" for row in measured) + " |")
     return 0
+
+
+COLUMNS = ("config", "row", "variant", "ms median", "min", "max", "vs stock", "compile s")
+TITLE = "bench.segment_cost: what the segment boundaries cost"
+INTRO = """\
+Written by `python -m bench.segment_cost` (on the GPU, `bash bench/device_run.sh
+segments-a`): one training step through `compile_step`, median (min, max) of the run's
+trials; a config's row measured again replaces its own; `git log -p
+bench/results/segment_cost.md` shows what each run changed. The gap between `one stream,
+segments` and `one stream, forward whole` is what the boundaries cost; between `one stream,
+segments` and `side streams, segments`, what the overlap wins."""
+
+
+def table_rows(cfg, measured: list[dict], args) -> list[dict]:
+    variants = dict(ROWS + NO_RECOMPUTE_ROWS)
+    stock = measured[0]["median"]
+    return [{"config": str(cfg), "row": row["label"], "variant": variants[row["label"]],
+             "ms median": f"{row['median']:.3f}", "min": f"{row['min']:.3f}",
+             "max": f"{row['max']:.3f}", "vs stock": f"{row['median'] / stock:.2f}x",
+             "compile s": f"{row['compile_s']:.0f}"} for row in measured]
 
 
 if __name__ == "__main__":

@@ -97,10 +97,10 @@ class EraseConfig:
             H200 ``release_lag=1`` passed the 2,000-step race stress, and ran
             1.04-1.07x of stock's step on the small chains where None runs
             0.80-0.86x, for little memory
-            (``bench/results/2026-12-01-b-NOTES.md``); ``release_lag=2`` took
+            (``bench/results/step.md``, ``check_cuda.md``); ``release_lag=2`` took
             the DGL ViT from 1.34x to 0.88x of stock's step memory for 1% of
             time, and slowed DGL ResNet-18 by 12% for nothing
-            (``bench/results/2026-12-03-c-nvidia-h200-lag-a.md``). ``"auto"``
+            (``bench/results/step.md``). ``"auto"``
             (default): `erase_fx.compile_step` chooses: it captures the step
             once per candidate (None, 2, 1), times a few replays of each
             (real training steps) and keeps the lag whose graph holds the
@@ -124,7 +124,7 @@ class EraseConfig:
             2 (step memory 1.57x -> 0.97x and 1.04x -> 0.75x of stock's, at
             0.99x and 0.98x of its time) and kept all four on DGL ResNet-18,
             mlp:512 and gpt:16, where 2 was 3-6% slower
-            (``bench/results/2026-12-03-e-NOTES.md``).
+            (``bench/results/step.md``).
         stages_on_side: run each early block's own stage (the forward whose
             activations its early backward reads) on the block's side stream
             too, before its head, so those activations are made, read and
@@ -178,11 +178,11 @@ class EraseConfig:
             this is memory saved on every side stream; it costs one more read
             of each such buffer. ``True`` (default): measured on an H200
             (step API against stock ``inductor+step``, ``python -m bench.run``,
-            2026-12-02, `bench/results/2026-12-02-f-NOTES.md`), on against
+            2026-12-02, `bench/results/step.md`), on against
             off: gpt:16:384:256:8 step memory 1.04x of stock (off: 1.29x), time
             0.91x (0.89x), gpt:8:768:1024:6 1.09x (1.33x), 0.99x (0.97x);
             soft targets (label smoothing, gpt-soft:16:384:256:8, 2026-12-03,
-            `bench/results/2026-12-03-f-NOTES.md`) 1.00x (1.24x), 0.99x
+            `bench/results/step.md`) 1.00x (1.24x), 0.99x
             (0.87x): there it costs 13% of the step, and ``False`` is faster
             at more memory than stock's; where
             such a buffer does not set a side stream's peak, memory and time

@@ -36,7 +36,7 @@ backward the GELU's fp32 pieces (tanh, its argument, the products: four
 batch x 4d tensors, 100 MB each) and LayerNorm's normalized inputs, written
 and read again. The segmented program ran 1.10x of stock's time on one
 stream, where the same program compiled as one graph ran 1.01x (H200, step
-API; `bench/results/2026-12-01-f-NOTES.md`). Recomputed, such a value costs
+API; `python -m bench.segment_cost` measures it). Recomputed, such a value costs
 an elementwise pass over a smaller input, fused into the block's kernels, and
 the value is never held.
 

@@ -6,8 +6,9 @@ Import the fixture into a test module to turn it on there::
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,23 @@ import torch
 from bench.paper.common import validate_results
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny kernels gain nothing from more, and on a loaded 2-core
-    runner two threads spin against each other."""
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread inside: the tiny kernels gain nothing from more, and on a loaded
+    2-core runner two threads spin against each other."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """`single_thread` around each test (a module's fixture takes it itself: it runs first)."""
+    with single_thread():
+        yield
 
 
 def run_experiment(main: Callable[[Sequence[str]], int], name: str, args: Sequence[str],

@@ -6,17 +6,19 @@ import pytest
 from bench import held_to_join
 
 
+CPU = held_to_join.torch.device("cpu")
+
+
 @pytest.fixture(scope="module")
 def held():
     # NB: aot_eager keeps the cross-entropy whole (fast); the tail of an Inductor-decomposed
     # loss is pinned in tests/test_assign_streams.py
-    cpu = held_to_join.torch.device("cpu")
-    return {on_side: held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", on_side).kinds
+    return {on_side: held_to_join.measure("gpt:2:64:32:3", CPU, "aot_eager", on_side)
             for on_side in (False, True)}
 
 
 def test_with_stages_on_main_a_gpt_chain_holds_its_blocks_activations_to_the_join(held):
-    on_main = held[False]
+    on_main = held[False].kinds
     assert set(on_main) == set(held_to_join.KINDS)
     assert on_main["main -> side"] > 0  # the blocks' activations, read by their early backward
     assert on_main["returned"] > 0
@@ -25,7 +27,7 @@ def test_with_stages_on_main_a_gpt_chain_holds_its_blocks_activations_to_the_joi
 
 
 def test_with_stages_on_side_streams_only_stage_outputs_cross_and_activations_are_freed(held):
-    on_side, on_main = held[True], held[False]
+    on_side, on_main = held[True].kinds, held[False].kinds
     assert on_side["main -> side"] == 0
     # what crosses is one batch x tokens x d stage output per early stage (fp32) and scalars
     stage_output = 2 * 32 * 64 * 4
@@ -39,10 +41,9 @@ def test_each_streams_high_water_mark_shows_where_the_activations_are_made():
     """Stages on the main stream: the main stream makes every block's activations and holds
     them to the join; on side streams each side stream makes its blocks' and frees them
     after each block's backward: the main stream's high-water mark drops by what it held
-    for the blocks, and the sum over streams drops too."""
-    cpu = held_to_join.torch.device("cpu")
-    on_main = held_to_join.measure("gpt:4:64:128:5", cpu, "aot_eager", False, 2)
-    on_side = held_to_join.measure("gpt:4:64:128:5", cpu, "aot_eager", True, 2)
+    for the blocks, and the sum over streams drops too (two blocks a side stream)."""
+    on_main = held_to_join.measure("gpt:4:64:128:5", CPU, "aot_eager", False, 2)
+    on_side = held_to_join.measure("gpt:4:64:128:5", CPU, "aot_eager", True, 2)
     moved = on_main.kinds["main -> side"]
     assert moved > 0 and on_side.kinds["main -> side"] == 0
     assert on_main.stream_peaks[0] - on_side.stream_peaks[0] >= 0.9 * moved
@@ -64,9 +65,8 @@ def test_the_observer_restores_the_program_after_it():
     assert found == []
 
 
-def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them():
-    cpu = held_to_join.torch.device("cpu")
-    held = held_to_join.measure("gpt:2:64:32:3", cpu, "aot_eager", False)
+def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them(held):
+    held = held[False]
     assert 0 < len(held.largest) <= held_to_join.LARGEST
     sizes = [value.size for value in held.largest]
     assert sizes == sorted(sizes, reverse=True)
@@ -77,14 +77,13 @@ def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them(
                         str(top)), top
 
 
-def test_folded_side_streams_peak_on_the_cuda_streams_they_run_on():
-    """`EraseConfig.side_cuda_streams`: four side streams on one CUDA stream hold their
-    blocks' values in one pool, whose peak is no more than the sum of the four's; what is
-    held at the join does not change (the release plan is the logical streams')."""
-    cpu = held_to_join.torch.device("cpu")
-    apart = held_to_join.measure("gpt:4:64:128:9", cpu, "aot_eager", True, 4)
-    folded = held_to_join.measure("gpt:4:64:128:9", cpu, "aot_eager", True, 4, 1)
-    assert set(apart.stream_peaks) == {0, 1, 2, 3, 4} and set(folded.stream_peaks) == {0, 1}
+def test_folded_side_streams_peak_on_the_cuda_streams_they_run_on(held):
+    """`EraseConfig.side_cuda_streams`: the side streams on one CUDA stream hold their
+    blocks' values in one pool, whose peak is less than the sum of theirs; what is held at
+    the join does not change (the release plan is the logical streams')."""
+    apart = held[True]
+    folded = held_to_join.measure("gpt:2:64:32:3", CPU, "aot_eager", True, 4, 1)
+    assert set(apart.stream_peaks) == {0, 1, 2} and set(folded.stream_peaks) == {0, 1}
     side = sum(v for s, v in apart.stream_peaks.items() if s)
     assert folded.stream_peaks[1] < side
     assert folded.kinds == apart.kinds

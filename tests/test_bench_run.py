@@ -1,4 +1,4 @@
-"""bench.run's bookkeeping on CPU: targets judged from ratios, the Markdown table, merging."""
+"""bench.run's bookkeeping on CPU: targets judged from ratios, the current table, merging."""
 import json
 from types import SimpleNamespace
 
@@ -28,6 +28,12 @@ ROWS = [
     row(LARGE, "inductor", 21.0), row(LARGE, "inductor+graph", 20.0, mem=100),
     row(LARGE, "erase+graphs", 19.0, mem=120), row(LARGE, "erase+step-graph", 21.0, mem=50),
 ]
+
+
+def md(rows):
+    """The Markdown of ``rows`` measured in one run (`META`)."""
+    rows = run.stamped(rows, META)
+    return run.markdown(rows, run.judge_targets(rows))
 
 
 def judged(rows, variant):
@@ -96,14 +102,16 @@ def test_markdown_has_a_row_per_measurement_the_memory_columns_and_the_verdicts(
                 uncaptured_reason=None),
             row(VISION, "erase+graphs", 3.0, grad_random=True, tflops=None),
             {"config": VISION, "variant": "erase+step", "error": "RuntimeError: boom"}]
-    table = run.markdown(META, rows, run.judge_targets(rows))
-    assert "NVIDIA H200, torch 2.11.0" in table
+    table = md(rows)
+    assert "1. 2026-11-30, NVIDIA H200, torch 2.11.0, native allocator, 7 trials of 20 " \
+           "steps: `python -m bench.run`" in table
     header = next(line for line in table.splitlines() if line.startswith("| config |"))
     assert header == "| " + " | ".join(run.COLUMNS) + " |"
     for column in ("peak MiB", "step peak MiB", "kept MiB", "step memory MiB",
                    "memory vs stock", "vs stock"):
         assert column in run.COLUMNS
-    assert f"| {SMALL} | erase+graphs | 1.200 |" in table and "| 1.20x | 0.60x |" in table
+    assert f"| {SMALL} | erase+graphs | 2026-11-30 | 1 | 1.200 |" in table
+    assert "| 1.20x | 0.60x |" in table
     # ratios to the matching stock variants, for time and for memory
     line = next(line for line in table.splitlines() if f"| {SMALL} | erase+graphs |" in line)
     assert "| 0.60x reduce-overhead; 1.20x inductor+graph |" in line
@@ -118,7 +126,8 @@ def test_markdown_has_a_row_per_measurement_the_memory_columns_and_the_verdicts(
                           "gradient (15))")
     vision = next(line for line in table.splitlines() if f"| {VISION} | erase+graphs |" in line)
     assert "1.0e-03 (random)" in vision and "| - |" in vision
-    assert f"| {VISION} | erase+step | - |" in table and "failed: RuntimeError: boom" in table
+    assert f"| {VISION} | erase+step | 2026-11-30 | 1 | - |" in table
+    assert "failed: RuntimeError: boom" in table
     assert all(line.count("|") == len(run.COLUMNS) + 1 for line in table.splitlines()
                if line.startswith(f"| {SMALL}") or line.startswith(f"| {VISION}"))
     assert "| MISSED |" in table and "| met |" in table
@@ -134,7 +143,7 @@ def test_markdown_says_what_the_memory_ratio_is_without_cublas_workspaces():
             row(VISION, "erase+step", 0.7, mem=200, workspace_bytes=131 * MIB),
             row(SMALL, "inductor+step", 1.0, mem=100),
             row(SMALL, "erase+step", 0.8, mem=150, workspace_bytes=99 * MIB)]
-    table = run.markdown(META, rows, run.judge_targets(rows))
+    table = md(rows)
     line = next(line for line in table.splitlines() if f"| {VISION} | erase+step |" in line)
     assert "| 2.00x inductor+step |" in line
     assert "kept has 131 MiB of cuBLAS workspaces, memory without cuBLAS workspaces 1.97x " \
@@ -154,30 +163,52 @@ def test_markdown_reads_results_written_before_the_memory_columns():
     old = {"config": SMALL, "variant": "erase+graphs", "ms_median": 1.0, "ms_min": 1.0,
            "ms_max": 1.0, "peak_mem_bytes": 10 * MIB, "compile_s": 1.0,
            "grad_max_rel_err": 1e-3, "tflops": 1.0}
-    table = run.markdown(META, [old], [])
-    assert f"| {SMALL} | erase+graphs | 1.000 |" in table and "| 10 | - | - | - |" in table
+    table = run.markdown(run.stamped([old], META), [])
+    assert f"| {SMALL} | erase+graphs | 2026-11-30 | 1 | 1.000 |" in table
+    assert "| 10 | - | - | - |" in table
 
 
-def test_merge_joins_parts_of_one_gpu_and_refuses_two(tmp_path):
+def test_a_run_replaces_its_rows_in_the_table_and_the_others_keep_theirs(tmp_path):
+    """The current table (step.json): files taken in order, as runs; a row measured again
+    replaces the row of its config, variant, GPU and allocator; the rest stay, each with its
+    run's date and command; legacy names map to today's."""
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    first.write_text(json.dumps({"meta": META, "rows": ROWS[:4]}))
+    first.write_text(json.dumps({"meta": META, "rows": ROWS}))
     from bench.harness import LEGACY_NAMES
 
     old_name = next(old for old, new in LEGACY_NAMES.items() if new == "erase+step-graph")
-    legacy = [dict(ROWS[4], variant=old_name), *ROWS[5:]]
-    second.write_text(json.dumps({"meta": dict(META, command="part 2"), "rows": legacy}))
-    out = tmp_path / "all.json"
+    later = dict(META, date="2026-12-01", command="python -m bench.run --configs later")
+    again = [row(LARGE, "inductor+graph", 10.0), dict(ROWS[7], variant=old_name, ms_median=9.0)]
+    second.write_text(json.dumps({"meta": later, "rows": again}))
+    out = tmp_path / "step.json"
     assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 0
-    merged = json.loads(out.read_text())
-    assert len(merged["rows"]) == len(ROWS) and merged["meta"]["command"].endswith("; part 2")
-    assert merged["rows"][4]["variant"] == "erase+step-graph"  # a legacy name, mapped
-    assert out.with_suffix(".md").exists()
-    second.write_text(json.dumps({"meta": dict(META, gpu="NVIDIA A100"), "rows": ROWS[4:]}))
-    assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 2
-    # one run under cudaMallocAsync, one under the native allocator (META has none: native)
-    second.write_text(json.dumps({"meta": dict(META, allocator="cudaMallocAsync"),
-                                  "rows": ROWS[4:]}))
-    assert run.main(["--merge", str(first), str(second), "--out", str(out)]) == 2
+    rows = {(r["config"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == len(ROWS)
+    assert rows[LARGE, "erase+step-graph"]["ms_median"] == 9.0  # a legacy name, mapped
+    assert rows[LARGE, "inductor+graph"]["date"] == "2026-12-01"
+    assert rows[SMALL, "erase+graphs"]["command"] == "python -m bench.run"
+    # ratios stay those of each row's own run: erase+graphs was measured against its
+    # inductor+graph (20 ms), not the later run's (10 ms)
+    assert run.ratio(list(rows.values()), LARGE, "erase+graphs", "inductor+graph") == (
+        pytest.approx(19.0 / 20.0))
+    assert run.ratio(list(rows.values()), LARGE, "erase+step-graph", "inductor+graph") == (
+        pytest.approx(9.0 / 10.0))
+    table = out.with_suffix(".md").read_text()
+    assert (f"| {LARGE} | erase+graphs | 2026-11-30 | 1 | 19.000 | 19.000 | 19.000 | 0.95x |"
+            in table)
+    assert "2. 2026-12-01, NVIDIA H200" in table
+    assert "`python -m bench.run --configs later`" in table
+    # another GPU or another allocator: rows of their own
+    other = dict(META, gpu="NVIDIA A100")
+    second.write_text(json.dumps({"meta": other, "rows": [ROWS[0]]}))
+    asynchronous = dict(META, allocator="cudaMallocAsync")
+    first.write_text(json.dumps({"meta": asynchronous, "rows": [ROWS[0]]}))
+    assert run.main(["--merge", str(second), str(first), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())["rows"]
+    assert len(merged) == len(ROWS) + 2
+    assert {(r["gpu"], r["allocator"]) for r in merged if r["variant"] == "inductor"
+            and r["config"] == SMALL} == {("NVIDIA H200", "native"), ("NVIDIA A100", "native"),
+                                           ("NVIDIA H200", "cudaMallocAsync")}
 
 
 def test_main_rejects_unknown_configs_and_variants_before_touching_a_gpu(capsys):
@@ -317,15 +348,15 @@ def test_the_targets_table_says_which_limit_applies_and_why():
                                                      erase_graphs=1, erase_fallback=None),
             row(DGL, "inductor+step", 10.0), row(DGL, "erase+step", 10.1, early_blocks=4,
                                                  erase_graphs=2, erase_fallback=None)]
-    table = run.markdown(META, rows, run.judge_targets(rows))
-    assert "| variant | config | against | measure | ratio | target | | why |" in table
+    table = md(rows)
+    assert "| variant | config | against | measure | ratio | target | | why | date |" in table
     assert (f"| erase+step | {PLAIN} | inductor+step | time | 1.01 | <= 1.02 | met | "
             "no early block: stock Inductor, within 1.02x |") in table
     assert (f"| erase+step | {DGL} | inductor+step | time | 1.01 | <= 1.00 | MISSED | "
             "4 early block(s): never slower |") in table
     line = next(line for line in table.splitlines() if f"| {DGL} | erase+step |" in line)
     assert "early blocks 4 in 2 graph(s)" in line
-    assert all(line.count("|") == 9 for line in table.splitlines()
+    assert all(line.count("|") == 10 for line in table.splitlines()
                if line.startswith("| erase+step |"))
 
 
@@ -374,4 +405,6 @@ def test_device_run_runs_the_judged_vision_pairs_first_and_has_the_issue_13_part
     # the usage text is the whole header, the new part included
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "vision-e" in usage.stdout
-    assert usage.stdout.rstrip().endswith("python -m bench.paper.report --results-dir $OUT/paper")
+    assert usage.stdout.rstrip().endswith("#   python -m bench.paper.report")
+    # every part updates the current tables: nothing of its own into $OUT but traces and code
+    assert not re.search(r'(--out|--results-dir|--out-dir|tee( -a)?) "\$OUT', text)

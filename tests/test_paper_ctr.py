@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from paper_helpers import one_thread  # noqa: F401 - autouse fixture
-from paper_helpers import run_experiment
+from paper_helpers import run_experiment, single_thread
 
 from bench.paper import common, ctr
 
@@ -173,17 +173,26 @@ def test_nudge_one_ulp_moves_every_weight_by_exactly_one_float_step():
 MERGE_RUN = [*TINY, "--steps", "4", "--audit-steps", "1", "--variants", "eager,erase/aot_eager"]
 
 
-def test_a_run_split_over_seeds_merges_into_the_run_of_all_seeds(tmp_path):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_experiment(ctr.main, "ctr", [*MERGE_RUN, "--seeds", "2"], whole)
-    run_experiment(ctr.main, "a", [*MERGE_RUN, "--seed", "0", "--seeds", "1", "--name", "a"],
-                   parts)
-    run_experiment(ctr.main, "b", [*MERGE_RUN, "--seed", "1", "--seeds", "1", "--name", "b",
-                                   "--freeze-steps", "0"], parts)
-    code, merged = run_experiment(ctr.main, "ctr", [
-        "--merge", str(parts / "b.json"), str(parts / "a.json")], parts)
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """A run of seeds 0 and 1, and the same seeds run as two parts (``a``: seed 0 with the
+    freeze demonstration, ``b``: seed 1 without), written once for the merge tests."""
+    root = tmp_path_factory.mktemp("split")
+    whole, parts = root / "whole", root / "parts"
+    with single_thread():  # NB: a module's fixture runs before the autouse one_thread
+        run_experiment(ctr.main, "ctr", [*MERGE_RUN, "--seeds", "2"], whole)
+        run_experiment(ctr.main, "a", [*MERGE_RUN, "--seed", "0", "--seeds", "1", "--name",
+                                       "a"], parts)
+        run_experiment(ctr.main, "b", [*MERGE_RUN, "--seed", "1", "--seeds", "1", "--name",
+                                       "b", "--freeze-steps", "0"], parts)
+    return whole / "ctr.json", parts / "a.json", parts / "b.json"
+
+
+def test_a_run_split_over_seeds_merges_into_the_run_of_all_seeds(split_run, tmp_path):
+    whole, a, b = split_run
+    code, merged = run_experiment(ctr.main, "ctr", ["--merge", str(b), str(a)], tmp_path)
     assert code == 0
-    expected = json.loads((whole / "ctr.json").read_text())
+    expected = json.loads(whole.read_text())
 
     def trained(payload):
         return [(r["variant"], r["seed"], r["losses"], r["ne_curve"], r["audit"])
@@ -200,13 +209,15 @@ def test_a_run_split_over_seeds_merges_into_the_run_of_all_seeds(tmp_path):
         ("b.json", [1]), ("a.json", [0])]
 
 
-def test_merge_refuses_files_that_are_not_parts_of_one_run(tmp_path):
-    run_experiment(ctr.main, "a", [*MERGE_RUN, "--freeze-steps", "0", "--name", "a"], tmp_path)
-    run_experiment(ctr.main, "b", [*MERGE_RUN, "--freeze-steps", "0", "--name", "b",
-                                   "--seed", "1", "--lr", "1e-3"], tmp_path)
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
+def test_merge_refuses_files_that_are_not_parts_of_one_run(split_run, tmp_path):
+    _, a, b = split_run
+    # NB: a part run with another flag, as its settings record it
+    other = json.loads(b.read_text())
+    other["meta"]["settings"]["lr"] = 1e-3
+    lr = tmp_path / "lr.json"
+    lr.write_text(json.dumps(other))
     with pytest.raises(ValueError, match="differ in lr"):
-        ctr.merge([a, b], "ctr", "python -m bench.paper.ctr --merge")
+        ctr.merge([a, lr], "ctr", "python -m bench.paper.ctr --merge")
     with pytest.raises(ValueError, match="a seed is in two files"):
         ctr.merge([a, a], "ctr", "python -m bench.paper.ctr --merge")
     with pytest.raises(ValueError, match="a results file or more"):
@@ -218,17 +229,15 @@ def test_merge_refuses_files_that_are_not_parts_of_one_run(tmp_path):
         for r in json.loads(a.read_text())["data"]["runs"]]
 
 
-def test_merge_says_which_parts_kept_final_parameters_on_the_gpu(tmp_path):
-    for seed in (0, 1):
-        run_experiment(ctr.main, f"p{seed}", [*MERGE_RUN, "--freeze-steps", "0", "--seed",
-                                              str(seed), "--name", f"p{seed}"], tmp_path)
+def test_merge_says_which_parts_kept_final_parameters_on_the_gpu(split_run, tmp_path):
+    _, a, b = split_run
     # a part written before the fix: its peak memory counted the kept parameters
-    old = json.loads((tmp_path / "p1.json").read_text())
+    old = json.loads(b.read_text())
     del old["meta"]["final_params_kept_on"]
-    (tmp_path / "p1.json").write_text(json.dumps(old))
-    merged = ctr.merge([tmp_path / "p0.json", tmp_path / "p1.json"], "ctr", "merge")
+    (tmp_path / "b.json").write_text(json.dumps(old))
+    merged = ctr.merge([a, tmp_path / "b.json"], "ctr", "merge")
     assert merged["meta"]["final_params_kept_on"] == "cpu for seeds 0, gpu for seeds 1"
     assert "final parameters kept on: cpu for seeds 0, gpu for seeds 1" in (
         merged["tables"][0]["caption"])
-    alone = ctr.merge([tmp_path / "p0.json"], "ctr", "merge")
+    alone = ctr.merge([a], "ctr", "merge")
     assert "final parameters kept on" not in alone["tables"][0]["caption"]
