@@ -70,7 +70,8 @@ def erase_backend(
         raise EraseOptionError("mode", mode,
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
-    compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm))
+    compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm),
+                                   ends_at_graph_break=ends_at_graph_break(gm))
     compilation.data_parallel = ddp.active_ddp_module()
     compilation.require_early_blocks = ddp.whole_ddp_graph()
     # NB: stock compilers take ownership of the graph they compile and may
@@ -161,6 +162,16 @@ class ErasePartitioner(CustomPartitionerFn):
         return (str, (f"erase_fx.ErasePartitioner{self.uuid()!r}",))
 
 
+def ends_at_graph_break(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo ended this graph at a graph break (more of the forward follows it).
+
+    NB: Dynamo's ``gm.compile_subgraph_reason`` (a ``GraphCompileReason``, torch
+    2.11-2.14), the record ``torch._dynamo.explain`` reads; a graph without it (not made
+    by Dynamo) counts as ending at its return.
+    """
+    return bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
+
+
 def stock_backend(inner: str) -> Any:
     """The stock torch.compile backend erase_fx falls back to for an inner compiler."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -204,6 +215,8 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
         compilation.backward_guard.guard(outputs)
         if compilation.live_tangents is not None:
             compilation.live_tangents.watch(outputs)
+        if compilation.graph_end is not None:
+            compilation.graph_end.watch(outputs)
         return outputs
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
@@ -46,9 +47,10 @@ from erase_fx.emit.inductor_segments import (
     keep_early_values_at_fx_strides,
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
+from erase_fx.emit.graph_end import GraphEnd, GraphEndBackward
 from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, output_indices
 from erase_fx.emit.scale_grads import ScaledBackward
-from erase_fx.errors import UnsupportedBlockError
+from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
 from erase_fx.guards import BackwardGuard
 from erase_fx.instruments import PassRunner, TimingInstrument, dump_instrument_for
 from erase_fx.passes import (
@@ -79,8 +81,12 @@ NO_EARLY_UPDATE = "no early optimizer update (the optimizer updates after the ba
 class GraphCompilation:
     """The state shared by AOTAutograd's callbacks for one compiled graph."""
 
-    def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str]):
+    def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str],
+                 ends_at_graph_break: bool = False):
         self.cfg = cfg
+        #: Dynamo ended this graph at a graph break: more of the forward follows it, which
+        #: its last block's backward can overlap (`erase_fx.emit.graph_end`)
+        self.ends_at_graph_break = ends_at_graph_break
         self.graph_id = graph_id
         self.input_names = list(input_names)
         self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
@@ -103,6 +109,10 @@ class GraphCompilation:
         self.early_grads: tuple[EarlyGrad, ...] = ()
         self.differentiable_outputs = 0
         self.early_updates: EarlyUpdates | None = None
+        #: the blocks at the graph's end of the compiled forward (`erase_fx.emit.graph_end`)
+        self.graph_end: GraphEnd | None = None
+        self.program: StreamProgram | None = None
+        self.num_fwd_outputs = 0
         #: the tangents early blocks read besides their loss's, when the outputs they are the
         #: gradients of can be watched: a backward without them runs when none gets a gradient
         self.unused_tangents: tuple[str, ...] = ()
@@ -209,11 +219,25 @@ class GraphCompilation:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if lean is not None:
             compiled = SelectedBackward(lean, compiled, self.live_tangents)
+        if self.graph_end is not None and self.has_early_blocks:
+            compiled = self._after_graph_end(compiled, bw)
         if self.early_allreduce is not None:
             compiled = self.early_allreduce.wrap_backward(compiled)
         if self.early_updates is not None:
             compiled = self.early_updates.wrap_backward(compiled)
         return compiled
+
+    def _after_graph_end(self, compiled: Any, bw: fx.GraphModule) -> GraphEndBackward:
+        """The backward waiting for its forward's blocks at the graph's end, or running them
+        (`erase_fx.emit.graph_end`). Their values are saved tensors: forward output ``i``
+        (after the user's ``num_fwd_outputs``) is backward argument ``i - num_fwd_outputs``
+        after the saved SymInts, which come first."""
+        num_symints = sum(1 for n in bw.graph.find_nodes(op="placeholder")
+                          if not is_tangent(n) and not isinstance(n.meta.get("val"), torch.Tensor))
+        gradients = [(num_symints + i - self.num_fwd_outputs, i)
+                     for i in self.program.graph_end_results]
+        return GraphEndBackward(compiled, self.graph_end, gradients, self.program.run_graph_end,
+                                self.program.wait_graph_end)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
@@ -228,11 +252,13 @@ class GraphCompilation:
         self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.runner.record("joint", joint)
+        self.num_fwd_outputs = num_fwd_outputs
         results = run_passes(
             JOINT_PASSES, joint, self.cfg, runner=self.runner,
             after={"find_stop_gradient_blocks": self._note_analysis},
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
             joint_inputs=joint_inputs, partition_kwargs=kwargs,
+            graph_end=self._runs_graph_end(),
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
             self.report = self.report.with_fallback("no early block")
@@ -241,6 +267,17 @@ class GraphCompilation:
         partition = results["partition_joint_graph"].artifact
         self.has_early_blocks = True
         return partition.fw, partition.bw
+
+    def _runs_graph_end(self) -> bool:
+        """Whether a block ready only when the forward ends runs there
+        (`erase_fx.emit.graph_end`): where more of the forward follows the graph (Dynamo
+        ended it at a graph break), for the program to overlap. NB: the program runs such
+        a block or leaves it to the backward, so it needs segments (side streams); under
+        DDP the early all-reduce needs every early gradient made in the forward. A graph
+        that ends at the forward's return keeps its last block in the backward, as stock
+        does: nothing but the backward would follow it."""
+        return (self.ends_at_graph_break and self.cfg.streams > 0
+                and self.data_parallel is None)
 
     def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
         """Right after the analysis, before the scheduling: the report, unsupported blocks, and
@@ -294,6 +331,13 @@ class GraphCompilation:
             streams = CudaStreams(device, self.cfg.streams)
         program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag,
                                       self.cfg.side_cuda_streams)
+        if program.graph_end is not None:
+            if any(i < self.num_fwd_outputs for i in program.graph_end_results):
+                raise GraphInvariantError("emit", "a block at the graph's end makes a value the "
+                                          "forward returns to the user: it cannot be left to "
+                                          "the backward")
+            program.graph_end.name = f"graph {self.graph_id}"
+            self.graph_end, self.program = program.graph_end, program
         if self.early_allreduce is not None:
             self.early_allreduce.attach(program)
         if self.early_updates is not None:

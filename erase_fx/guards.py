@@ -26,6 +26,9 @@ class BackwardGuard:
 
     def __init__(self) -> None:
         self.donates_buffers = False
+        # NB: a backward called inside a compiled frame runs the hook while Dynamo's frame
+        # callback is active: disabled, the hook is not traced (no graph break of ours)
+        self._hook = torch._dynamo.disable(self._check)
 
     def guard(self, outputs: Any) -> None:
         """Hook each distinct autograd node among ``outputs``."""
@@ -35,7 +38,7 @@ class BackwardGuard:
             if grad_fn is None or id(grad_fn) in seen:
                 continue
             seen.add(id(grad_fn))
-            grad_fn.register_prehook(self._check)
+            grad_fn.register_prehook(self._hook)
 
     def _check(self, grad_outputs: Any) -> None:
         if torch.is_grad_enabled():

@@ -47,6 +47,11 @@ class BlockReport:
             people: the module and the op (`node_origin`), e.g.
             ``stages.0.head (cross_entropy)``; None when the report was made
             without the joint graph.
+        other_outputs: how many outputs besides the loss it reads the gradients
+            of (tensors kept for logging, captured by hooks): their part of its
+            gradients runs in the backward, only when they get a gradient.
+        at_graph_end: it is ready only when the graph's forward ends, and runs
+            there while what follows the graph runs (`erase_fx.emit.graph_end`).
     """
 
     id: int
@@ -59,6 +64,8 @@ class BlockReport:
     partials: int = 0
     pieces: int = 0
     ready_after_origin: str | None = None
+    other_outputs: int = 0
+    at_graph_end: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +237,8 @@ class GraphReport:
                     pieces=len(b.component.pieces),
                     ready_after_origin=origin(
                         (b.component.piece_ready or (b.component.ready_after,))[0]),
+                    other_outputs=len(b.other_tangents),
+                    at_graph_end=b.at_graph_end,
                 )
                 for b in analysis.blocks
             ),

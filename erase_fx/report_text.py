@@ -84,8 +84,13 @@ def format_report(report: GraphReport, *, number: int | None = None, key: bool =
 
 
 def ready_point(block: BlockReport) -> str:
-    """The "ready after" cell: where in the model, else the joint graph node's name."""
-    return block.ready_after_origin or block.ready_after
+    """The "ready after" cell: where in the model, else the joint graph node's name; for a
+    block at the graph's end, that; for one that reads other outputs' gradients, how many."""
+    text = "the graph's end" if block.at_graph_end else (
+        block.ready_after_origin or block.ready_after)
+    if block.other_outputs:
+        text += f" (+{block.other_outputs} output{'s' if block.other_outputs > 1 else ''})"
+    return text
 
 
 def _at_node(rejected: RejectedReport) -> str:
@@ -142,7 +147,10 @@ TABLE_KEY = textwrap.fill(
     "adds to gradients that other loss terms share, summed by a joins_blocks row; ready after: "
     "the module and op after which an early block's backward can start (for code outside "
     "modules, the nearest module upstream; the graph node's name is ready_after in --json; "
-    "N pieces: it starts there and runs in N pieces, each when ready); stream: the side "
+    "N pieces: it starts there and runs in N pieces, each when ready; the graph's end: it "
+    "runs when the forward ends, while what follows the graph runs; +N outputs: it reads the "
+    "gradients of N outputs besides the loss, their part runs in the backward when they get "
+    "one); stream: the side "
     "stream it runs on; bwd FLOPs: estimated FLOPs of its backward; share of bwd: of the "
     "whole backward's FLOPs)",
     width=100, initial_indent="  (", subsequent_indent="   ", break_on_hyphens=False,

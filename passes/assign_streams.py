@@ -115,12 +115,13 @@ def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
     from_inputs = made_from_inputs(nodes)
     _move_shared_early_nodes_to_main(nodes, owner, _loss_tail_copies(nodes, owner, from_inputs))
     matrix_work = {n for n in nodes if node_flops(n) > 0}
-    _pull_heads_into_blocks(nodes, owner, from_inputs, matrix_work)
+    at_end = graph_end_blocks(nodes)
+    _pull_heads_into_blocks(nodes, owner, from_inputs, matrix_work, at_end)
     _return_shared_input_values_to_main(nodes, owner, from_inputs, matrix_work)
     stage: set[fx.Node] = set()
-    blocks = {get_meta(n).block for n in nodes if is_early(n)}
+    blocks = {get_meta(n).block for n in nodes if is_early(n)} - at_end
     if stages_go_to_side_streams(cfg, len(blocks)):
-        stage = _pull_stages_into_blocks(nodes, owner)
+        stage = _pull_stages_into_blocks(nodes, owner, at_end)
     _keep_getitems_with_producers(nodes, owner, stage)
 
     after_join: set[fx.Node] = set()
@@ -196,9 +197,16 @@ def _loss_tail_copies(nodes: list[fx.Node], owner: dict,
             if arg in from_inputs and is_early(arg) and owner[arg] == block}
 
 
+def graph_end_blocks(nodes: list[fx.Node]) -> set[int]:
+    """The blocks that run at the graph's end (`NodeMeta.at_graph_end`)."""
+    return {get_meta(n).block for n in nodes if is_early(n) and get_meta(n).at_graph_end}
+
+
 def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict, from_inputs: set[fx.Node],
-                            matrix_work: set[fx.Node]) -> None:
-    """Forward nodes only one block needs (its head and local loss) join that block."""
+                            matrix_work: set[fx.Node], at_end: set[int]) -> None:
+    """Forward nodes only one block needs (its head and local loss) join that block; but for
+    a block at the graph's end (``at_end``): its loss stays on the main stream, which then
+    never waits for its backward (that runs while what follows the graph runs)."""
     returned = returned_to_the_user(nodes[-1].graph)
     if returned is None:
         return  # NB: without output descriptors, nothing moves: the safe schedule
@@ -208,7 +216,7 @@ def _pull_heads_into_blocks(nodes: list[fx.Node], owner: dict, from_inputs: set[
         if node.op != "call_function" or owner[node] is not None or node.is_impure():
             continue
         blocks = {owner[user] for user in node.users if owner.get(user) is not None}
-        if len(blocks) != 1:
+        if len(blocks) != 1 or blocks & at_end:
             continue
         if all(owner.get(user) is not None or user.op == "output" or user in feeds_output_only
                for user in node.users):
@@ -324,7 +332,8 @@ def _reads_a_block(node: fx.Node, owner: dict, after_join: set[fx.Node],
                for a in node.all_input_nodes)
 
 
-def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
+def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict,
+                             at_end: set[int] = frozenset()) -> set[fx.Node]:
     """Each block's own stage joins the block: the main nodes that block ``b`` needs (directly
     or through other main nodes) and no block launched before it needs.
 
@@ -338,7 +347,9 @@ def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
     order they would be on the main stream and draw the same numbers, the
     generator's offset advancing at launch whatever the stream), and so do the
     stages of blocks in pieces (each piece has
-    its own launch point; moving the trunk they share would serialize them).
+    its own launch point; moving the trunk they share would serialize them)
+    and of blocks at the graph's end (``at_end``: the main stream reads their
+    loss and must not wait for their backward).
     Returns the stage nodes; ``owner`` maps each to its block.
     """
     pieced = {get_meta(n).block for n in nodes
@@ -356,7 +367,8 @@ def _pull_stages_into_blocks(nodes: list[fx.Node], owner: dict) -> set[fx.Node]:
             needed_by[node] = min(blocks)
     stage: set[fx.Node] = set()
     for node, block in needed_by.items():
-        if block not in pieced and (not node.is_impure() or draws_random_numbers(node)):
+        if block not in pieced and block not in at_end and (
+                not node.is_impure() or draws_random_numbers(node)):
             owner[node] = block
             stage.add(node)
     return stage

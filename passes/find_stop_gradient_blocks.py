@@ -176,6 +176,10 @@ class Block:
             captured by hooks): their part of its gradients is computed in the
             backward (`schedule_early_backward`), and costs nothing when they get
             no gradient.
+        at_graph_end: its backward is ready only when the graph's forward ends
+            (the last block of a chain; a graph's only block when graph breaks
+            separate blocks): it runs there, while what follows the graph runs
+            (the next graphs' forwards), instead of in the backward.
     """
 
     id: int
@@ -183,6 +187,7 @@ class Block:
     tangent: str
     params: tuple[str, ...]
     other_tangents: tuple[str, ...] = ()
+    at_graph_end: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +248,7 @@ def find_stop_gradient_blocks(
     *,
     num_fwd_outputs: int,
     primal_names: Sequence[str] = (),
+    graph_end: bool = False,
 ) -> PassResult[BlockAnalysis]:
     """Analyse a joint graph; see the module docstring.
 
@@ -257,6 +263,10 @@ def find_stop_gradient_blocks(
         num_fwd_outputs: how many of the outputs are forward outputs.
         primal_names: a name per primal (e.g. a parameter's qualified name),
             used in the report; ``primals_<i>`` where missing.
+        graph_end: a component ready only when the forward ends, whose loss terms
+            do not meet in sums, runs early there (`Block.at_graph_end`) instead of
+            staying in the backward (``last_block``). The caller says whether its
+            program can run it there (side streams, no data parallel).
     """
     facts = Dataflow.of(gm.graph, num_fwd_outputs, primal_names)
     components = sorted((facts.describe(members) for members in facts.backward_pieces()),
@@ -264,13 +274,14 @@ def find_stop_gradient_blocks(
     latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
-                                        cfg.min_part_share)
+                                        cfg.min_part_share, graph_end)
     early.sort(key=facts.order)
     blocks = []
     for i, comp in enumerate(early):
         loss = facts.loss_tangent(comp)
         blocks.append(Block(i, comp, loss, facts.params_of(comp),
-                            tuple(t for t in comp.tangents if t != loss)))
+                            tuple(t for t in comp.tangents if t != loss),
+                            at_graph_end=facts.ready_position(comp) >= latest))
     analysis = BlockAnalysis(
         blocks=tuple(blocks),
         rejected=tuple(rejected),
@@ -402,15 +413,22 @@ def _judge_components(
     latest: int,
     backward_flops: int,
     min_part_share: float,
+    graph_end: bool = False,
 ) -> tuple[list[Component], list[Rejected]]:
     """Each component early (whole, in pieces, or its parts split at sums) or rejected, why.
 
     A part split at sums runs early only with at least ``min_part_share`` of
-    the backward's estimated FLOPs (``backward_flops``).
+    the backward's estimated FLOPs (``backward_flops``). With ``graph_end``, a
+    component ready only when the forward ends runs early there, unless its
+    loss terms meet in sums (then its parts are judged as before).
     """
 
     def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
         return _reject_reason(comp, facts.by_name, latest, facts.position)
+
+    def judge_at_end(comp: Component) -> tuple[RejectReason | None, str, str | None]:
+        # NB: the ready point judged as if a later one existed: the graph's end
+        return _reject_reason(comp, facts.by_name, latest + 1, facts.position)
 
     def judge_part(part: Component) -> tuple[RejectReason | None, str, str | None]:
         why = judge(part)
@@ -428,6 +446,10 @@ def _judge_components(
             early.append(pieces or comp)
             continue
         cut = facts.cut(comp)
+        if (graph_end and reason is RejectReason.LAST_BLOCK and cut is None
+                and judge_at_end(comp)[0] is None):
+            early.append(comp)
+            continue
         if cut is None:
             rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp)))
             continue

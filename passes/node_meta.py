@@ -54,6 +54,11 @@ class NodeMeta:
             (``EraseConfig.stages_on_side``), so those activations are made,
             read and freed on one stream. Other streams read only the
             stage's values they need (its output), once it has run.
+        at_graph_end: a node of a block whose backward is ready only when the
+            graph's forward ends (`Block.at_graph_end`): it runs there, on its
+            side stream, while what follows the graph runs, or, when this
+            graph's backward does not come, in the backward
+            (`erase_fx.emit.program`).
     """
 
     role: Role
@@ -64,6 +69,7 @@ class NodeMeta:
     after_join: bool = False
     piece: int | None = None
     stage: bool = False
+    at_graph_end: bool = False
 
 
 def get_meta(node: fx.Node) -> NodeMeta | None:

@@ -172,7 +172,8 @@ def _check_merged(result: PassResult, context: PassContext) -> None:
 def _find_blocks(gm: fx.GraphModule, context: PassContext) -> PassResult:
     return find_stop_gradient_blocks(gm, context.cfg,
                                      num_fwd_outputs=context.given["num_fwd_outputs"],
-                                     primal_names=context.given.get("primal_names", ()))
+                                     primal_names=context.given.get("primal_names", ()),
+                                     graph_end=context.given.get("graph_end", False))
 
 
 def _check_blocks(result: PassResult, context: PassContext) -> None:

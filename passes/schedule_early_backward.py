@@ -96,7 +96,8 @@ def schedule_early_backward(
         tangent = by_name[block.tangent]
         tangent_val = val_of(tangent)
         to_clone = set(comp.seeds) | set(comp.helpers) | set(comp.nodes)
-        early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id)
+        early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id,
+                              at_graph_end=block.at_graph_end)
         pieces = _pieces(comp, by_name, to_clone)
 
         with graph.inserting_after(by_name[pieces[0][0]]):

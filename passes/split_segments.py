@@ -84,6 +84,9 @@ class Segment:
         nodes: names of the forward-graph nodes it computes.
         waits_for: names of earlier segments on other streams whose outputs it reads.
         stage: it runs the block's own stage (`NodeMeta.stage`), not its head and backward.
+        at_graph_end: it runs a block at the graph's end (`NodeMeta.at_graph_end`): the
+            program may leave it to the backward, and the main stream does not wait for it
+            at the forward's end.
     """
 
     name: str
@@ -92,6 +95,7 @@ class Segment:
     nodes: tuple[str, ...]
     waits_for: tuple[str, ...]
     stage: bool = False
+    at_graph_end: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,12 +351,15 @@ def _name_and_box_segments(
     for k, call in enumerate([n for n in graph.nodes if n.op == "call_module"]):
         key = str(call.target).removeprefix("submod_")
         stream, block, after_join, piece, stage = segment_of_key[key]
+        sub = getattr(split, call.target)
+        at_graph_end = block is not None and not stage and any(
+            get_meta(n) is not None and get_meta(n).at_graph_end for n in sub.graph.nodes)
         if block is not None:
             part = f"_piece_{piece}" if piece is not None else ("_stage" if stage else "")
+            part += "_graph_end" if at_graph_end else ""
             name = f"seg_{k}_block_{block}{part}_stream_{stream}"
         else:
             name = f"seg_{k}_stream_{stream}" + ("_after_join" if after_join else "")
-        sub = getattr(split, call.target)
         delattr(split, call.target)
         setattr(split, name, sub)
         call.target = name
@@ -371,6 +378,7 @@ def _name_and_box_segments(
             stage=stage,
             nodes=tuple(n.name for n in sub.graph.nodes if n.op not in ("placeholder", "output")),
             waits_for=tuple(waits),
+            at_graph_end=at_graph_end,
         ))
     return tuple(segments)
 

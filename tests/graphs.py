@@ -648,14 +648,16 @@ class Stages:
     """Every intermediate of the pass pipeline for one model, for pass tests: the joint and
     forward pass lists, run (and checked) by their driver, as compilation runs them."""
 
-    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], cfg: Any, inner: str = "aot_eager"):
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], cfg: Any, inner: str = "aot_eager",
+                 graph_end: bool = False):
         from erase_fx.passes import FORWARD_PASSES, JOINT_PASSES, run_passes
 
         self.cfg = cfg
         self.joint = trace_joint(model, *inputs, inner=inner)
         joint = run_passes(JOINT_PASSES, self.joint.gm, cfg,
                            num_fwd_outputs=self.joint.num_fwd_outputs,
-                           joint_inputs=self.joint.joint_inputs, partition_kwargs=self.joint.kwargs)
+                           joint_inputs=self.joint.joint_inputs, partition_kwargs=self.joint.kwargs,
+                           graph_end=graph_end)
         self.analysis = joint["find_stop_gradient_blocks"].artifact
         self.scheduled = joint["schedule_early_backward"]
         partition = joint["partition_joint_graph"].artifact

@@ -227,8 +227,10 @@ def test_no_grad_forward_matches_eager_and_reports_inference():
 def test_graph_break_compiles_each_graph_with_its_own_blocks():
     reports = reports_of(lambda: check_parity(GraphBreakChain(), chain_inputs))
     assert len(reports) == 2
-    # stages 0-1 in graph 0 (stage 1 is its last block), stages 2-3 in graph 1
-    assert [len(r.blocks) for r in reports] == [1, 1]
+    # stages 0-1 in graph 0, which ends at the break: stage 1 runs at its end
+    # (erase_fx.emit.graph_end); stages 2-3 in graph 1, whose last block stays in the backward
+    assert [len(r.blocks) for r in reports] == [2, 1]
+    assert [r.reason for r in reports[1].rejected] == ["last_block"]
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])

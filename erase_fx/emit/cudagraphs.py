@@ -102,6 +102,9 @@ class Unreplayed(str, enum.Enum):
     NOT_AFTER_A_REPLAY = "not_after_a_replay"
     #: a backward: gradients of its last replay are still held
     GRADIENTS_IN_USE = "gradients_in_use"
+    #: a forward whose blocks at the graph's end are left to the backward
+    #: (`erase_fx.emit.graph_end`: its backward did not always come)
+    GRAPH_END_IN_BACKWARD = "graph_end_in_backward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +228,9 @@ class GraphedForward(Boxed):
             return Unreplayed.CAPTURE_FAILED
         if self.calls == 1:
             return Unreplayed.WARM_UP
+        graph_end = getattr(self.fn, "graph_end", None)
+        if graph_end is not None and not graph_end.armed:
+            return Unreplayed.GRAPH_END_IN_BACKWARD
         if _someone_else_captures():
             return Unreplayed.INSIDE_CAPTURE
         if self.graph is not None and (self.memory.in_use() or (

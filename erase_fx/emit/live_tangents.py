@@ -14,13 +14,14 @@ when it calls the node). `LiveTangents.watch` registers that pre-hook on each
 forward's outputs; `SelectedBackward` reads what it saw and runs the
 specialized backward or the whole one. Nothing reads the device.
 
-NB: torch internals relied on (pinned by tests/test_live_tangents.py across
-torch 2.11-2.14): every output of one compiled graph has AOTAutograd's node
-as its ``grad_fn`` (AOTAutograd regenerates only outputs that alias inputs or
-other outputs outside it: those are never watched), the hook's
-``grad_outputs`` are indexed by ``Tensor.output_nr``, and an output index is
-the joint graph's ``PlainAOTOutput.idx`` of its tangent. Where any of that
-does not hold for a call, the whole backward runs: exact either way.
+NB: torch internals relied on (tests/test_tangent_split.py fails if one stops
+holding: it checks that the specialized backward runs): every output of one
+compiled graph has AOTAutograd's node as its ``grad_fn`` (AOTAutograd
+regenerates only outputs that alias inputs or other outputs outside it:
+those are never watched), the hook's ``grad_outputs`` are indexed by
+``Tensor.output_nr``, and an output index is the joint graph's
+``PlainAOTOutput.idx`` of its tangent. Where any of that does not hold for a
+call, the whole backward runs: exact either way.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class LiveTangents:
         def record(grad_outputs: Sequence[Any]) -> None:
             seen.live = any(grad_outputs[p] is not None for p in positions)
 
-        node.register_prehook(record)
+        # NB: untraced when a backward runs inside a compiled frame (as `BackwardGuard`'s hook)
+        node.register_prehook(torch._dynamo.disable(record))
 
     def take(self) -> bool | None:
         """What the pre-hook saw for the node about to run on this thread (True: some

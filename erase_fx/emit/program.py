@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.emit.capture_scope import AUTO, auto_choice
+from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
@@ -78,6 +79,9 @@ class Step:
             stream waits for the event each recorded before it runs.
         records_event: a later step on another stream reads its outputs: an
             event is recorded on its stream right after it is launched.
+        at_graph_end: it runs a block at the graph's end (`erase_fx.emit.graph_end`):
+            the main stream does not wait for it at the forward's end, and a disarmed
+            program leaves it to the backward.
     """
 
     name: str
@@ -88,6 +92,7 @@ class Step:
     frees: tuple[int, ...]
     waits: tuple[int, ...] = ()
     records_event: bool = False
+    at_graph_end: bool = False
 
 
 #: ``begin(inputs)``: called with a forward's inputs before any step runs;
@@ -153,6 +158,20 @@ class StreamProgram(Boxed):
         self.lag_matters = any(self.capture_plan_for(1).releases_before)
         #: per caller of `add_completion_hooks`: its begin hook and its hooks by step
         self.hook_clients: tuple[tuple[BeginHook, dict[int, tuple[CompletionHook, ...]]], ...] = ()
+        #: the steps of blocks at the graph's end, and whether they run at the forward's end
+        #: (`erase_fx.emit.graph_end`); None without such steps
+        self.graph_end_steps = tuple(k for k, s in enumerate(steps) if s.at_graph_end)
+        self.graph_end: GraphEnd | None = GraphEnd("a forward") if self.graph_end_steps else None
+        produced = {slot for k in self.graph_end_steps for slot in steps[k].outputs if slot >= 0}
+        #: the graph outputs the graph-end steps make (their blocks' early gradients)
+        self.graph_end_results = tuple(i for i, (kind, slot) in enumerate(results)
+                                       if kind == "slot" and slot in produced)
+        #: per side stream that runs graph-end steps, its last other step: the main stream
+        #: waits for that one at the forward's end, not for the graph-end work after it
+        self._last_regular = {
+            stream: max((k for k, s in enumerate(steps)
+                         if s.stream == stream and not s.at_graph_end), default=-1)
+            for stream in {steps[k].stream for k in self.graph_end_steps}}
 
     def capture_plan_for(self, lag: int | None) -> CapturePlan:
         """How a captured run with release lag ``lag`` frees memory (`erase_fx.emit.release`;
@@ -261,6 +280,7 @@ class StreamProgram(Boxed):
                 frees=tuple(s for s, last in last_reader.items() if last == k and s not in kept),
                 waits=waits[k],
                 records_event=k in read_elsewhere,
+                at_graph_end=segment.at_graph_end,
             ))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
                    tuple(constants), release_lag, side_cuda_streams)
@@ -281,13 +301,37 @@ class StreamProgram(Boxed):
             self._complete(-1, env, contexts, streams)
         # NB: the side streams start from the main stream's state: the inputs are ready
         streams.fork(self.side_streams)
-        if not (self.side_streams and _capturing()):
-            self._run(env, streams, contexts)
+        capturing = bool(self.side_streams) and _capturing()
+        stash: dict[int, Any] | None = None
+        if not capturing:
+            if self.graph_end is not None and not self.graph_end.armed:
+                stash = {}
+            events = self._run(env, streams, contexts, stash)
         else:
-            self._run_captured(env, plan, streams, contexts)
+            events = self._run_captured(env, plan, streams, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
-        streams.join(self.side_streams, [results[i] for i in self.side_results])
+        if stash is not None:
+            marker = self.graph_end.stash(stash, _device_of(results))
+            for i in self.graph_end_results:
+                results[i] = marker
+        if self.graph_end is None or capturing or stash is not None:
+            streams.join(self.side_streams, [results[i] for i in self.side_results])
+        else:
+            self._join_leaving_graph_end(streams, events, results)
         return results
+
+    def _join_leaving_graph_end(self, streams: StreamOps, events: dict[int, Any],
+                                results: list[Any]) -> None:
+        """The join, but for the graph-end work: the main stream waits for everything else; an
+        event after the graph-end work is left for the backward to wait for."""
+        deferred = set(self._last_regular)
+        streams.join([s for s in self.side_streams if s not in deferred],
+                     [results[i] for i in self.side_results])
+        before = [events[k] for k in self._last_regular.values() if k >= 0]
+        if before:
+            streams.wait_events(MAIN_STREAM, before)
+        self.graph_end.pending += streams.defer(sorted(deferred),
+                                                [results[i] for i in self.graph_end_results])
 
     def _choice(self) -> tuple[CapturePlan, StreamOps]:
         """This call's release plan (used under capture) and streams: the options', or, for
@@ -304,16 +348,37 @@ class StreamProgram(Boxed):
             self._folded[width] = self.streams.folded(width)
         return self.capture_plan_for(lag), self._folded[width]
 
-    def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None) -> None:
+    def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None,
+             stash: dict[int, Any] | None = None) -> dict[int, Any]:
         """Each slot dropped after its last reader; ``record_stream`` guards cross-stream
-        reuse."""
+        reuse. With a ``stash``, the graph-end steps do not run: their inputs go into it.
+        Returns the events recorded, by step."""
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
-            self._launch(k, step, env, events, streams)
+            if stash is not None and step.at_graph_end:
+                stash.update((slot, env[slot]) for slot in step.inputs if env[slot] is not None)
+            else:
+                self._launch(k, step, env, events, streams,
+                             record=self._last_regular.get(step.stream) == k)
             for slot in step.frees:
                 env[slot] = None
             if contexts is not None:
                 self._complete(k, env, contexts, streams)
+        return events
+
+    def wait_graph_end(self, events: Sequence[Any]) -> None:
+        """The main stream waits for graph-end work left running by earlier forwards."""
+        self.streams.wait_events(MAIN_STREAM, events)
+
+    def run_graph_end(self, stash: Any) -> dict[int, Any]:
+        """The graph-end steps, now, on the current stream, from a disarmed forward's kept
+        inputs (`erase_fx.emit.graph_end`): their graph outputs, by result index."""
+        env: dict[int, Any] = dict(stash.values)
+        for k in self.graph_end_steps:
+            step = self.steps[k]
+            outputs = step.fn([env[slot] for slot in step.inputs])
+            env.update((slot, value) for slot, value in zip(step.outputs, outputs) if slot >= 0)
+        return {i: env[self.results[i][1]] for i in self.graph_end_results}
 
     def _complete(self, k: int, env: list[Any],
                   contexts: list[tuple[Any, dict[int, tuple[CompletionHook, ...]]]],
@@ -327,7 +392,7 @@ class StreamProgram(Boxed):
                 hook.fn(context, values, hook.streams, streams)
 
     def _run_captured(self, env: list[Any], plan: CapturePlan, streams: StreamOps,
-                      contexts: Any = None) -> None:
+                      contexts: Any = None) -> dict[int, Any]:
         """Under CUDA graph capture: slots dropped as ``plan`` (`plan_captured_releases`) orders.
 
         NB: a step output that lives in memory a value alive before the step
@@ -342,7 +407,7 @@ class StreamProgram(Boxed):
         """
         pinned: set[int] = set()
         events: dict[int, Any] = {}
-        for k, step in enumerate(self.steps):
+        for k, step in enumerate(self.steps):  # NB: graph-end steps too: a capture joins all
             if plan.waits_before[k]:
                 streams.wait_events(MAIN_STREAM, [events[r] for r in plan.waits_before[k]])
             for slot in plan.releases_before[k]:
@@ -359,6 +424,7 @@ class StreamProgram(Boxed):
                     env[slot] = None
             if contexts is not None:
                 self._complete(k, env, contexts, streams)
+        return events
 
     def _launch(self, k: int, step: Step, env: list[Any], events: dict[int, Any],
                 streams: StreamOps, record: bool = False) -> None:
@@ -377,6 +443,11 @@ class StreamProgram(Boxed):
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value
+
+
+def _device_of(values: Sequence[Any]) -> torch.device | None:
+    """The device of the first tensor among ``values``."""
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -10,7 +10,9 @@ a stream so far (a step another stream reads); `StreamOps.wait_events(stream,
 events)` makes a stream wait without running anything (the release of
 memory under capture); `StreamOps.join(streams, outputs)` ends a forward:
 the main stream waits for the side streams, and outputs made there become
-safe to use on the main stream. `StreamOps.run_comm(after, tensors, fn)`
+safe to use on the main stream; `StreamOps.defer(streams, outputs)` leaves
+that wait to the backward, for the blocks at the graph's end
+(`erase_fx.emit.graph_end`): it returns the events to wait for. `StreamOps.run_comm(after, tensors, fn)`
 runs collective work (`erase_fx.ddp`'s early all-reduce) on a communication
 stream once the streams in ``after`` have done the work launched on them so
 far; `StreamOps.wait_comm()` makes the current stream wait for it (the
@@ -54,6 +56,8 @@ class StreamOps(Protocol):
     ) -> Sequence[Any]: ...
 
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None: ...
+
+    def defer(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> list[Any]: ...
 
     def record_event(self, stream: int) -> Any: ...
 
@@ -115,6 +119,11 @@ class VirtualStreams(_Folding):
     def join(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> None:
         if self.trace is not None:
             self.trace.append(("join", tuple(streams)))
+
+    def defer(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> list[Any]:
+        if self.trace is not None and streams:
+            self.trace.append(("defer", tuple(self._on(s) for s in streams)))
+        return [self._on(s) for s in streams]
 
     def record_event(self, stream: int) -> Any:
         if self.trace is not None:
@@ -200,6 +209,18 @@ class CudaStreams(_Folding):
         for value in side_outputs:
             if isinstance(value, torch.Tensor) and value.is_cuda:
                 value.record_stream(main)
+
+    def defer(self, streams: Sequence[int], side_outputs: Sequence[Any]) -> list[Any]:
+        """The join left for later (`erase_fx.emit.graph_end`): an event on each stream after
+        the work launched there so far, for the main stream to wait for before it reads
+        ``side_outputs``, which are marked as used by the main stream now (their memory is
+        not handed out again before the main stream's work queued when they are freed)."""
+        events = [self.record_event(s) for s in streams]
+        main = torch.cuda.current_stream(self.device)
+        for value in side_outputs:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(main)
+        return events
 
     def record_event(self, stream: int) -> torch.cuda.Event:
         """An event on a stream after the work launched there so far."""

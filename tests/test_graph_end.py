@@ -1,0 +1,203 @@
+"""Blocks at the graph's end: the last block of a graph runs when its forward ends, the main
+stream does not wait for it, and a forward whose backward never comes stops paying for it
+(`erase_fx.emit.graph_end`)."""
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from erase_fx.config import EraseConfig
+from erase_fx.emit import graph_end as graph_end_module
+from erase_fx.passes import RejectReason, run_pass
+from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS
+from erase_fx.report import collect_reports
+from graphs import (
+    Chain,
+    GraphBreakChain,
+    LoggedChain,
+    OneElementLossChain,
+    Stages,
+    assert_same_grads,
+    chain_inputs,
+    check_parity,
+    real_values,
+    trace_joint,
+)
+from test_program import build
+
+CFG = EraseConfig(inner="aot_eager")
+
+
+@pytest.fixture
+def programs(monkeypatch):
+    """Every `GraphEnd` made while the test runs, in order."""
+    made = []
+    original = graph_end_module.GraphEnd.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(graph_end_module.GraphEnd, "__init__", init)
+    return made
+
+
+def compiled(model, **options):
+    return torch.compile(model, backend="erase",
+                         options={"inner": "aot_eager", "on_error": "raise", **options})
+
+
+def test_the_last_block_runs_at_the_graphs_end_when_the_caller_allows_it():
+    joint = trace_joint(Chain(3), *chain_inputs())
+    found = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                     num_fwd_outputs=joint.num_fwd_outputs, graph_end=True)
+    analysis = found.artifact
+    assert [b.at_graph_end for b in analysis.blocks] == [False, False, True]
+    assert analysis.rejected == ()
+    before = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                      num_fwd_outputs=joint.num_fwd_outputs).artifact
+    assert [r.reason for r in before.rejected] == [RejectReason.LAST_BLOCK]
+
+
+def test_a_graph_that_ends_at_a_break_runs_every_block_early_bitwise_as_eager():
+    with collect_reports() as reports:
+        check_parity(GraphBreakChain(), chain_inputs, steps=3, rtol=0, atol=0)
+    first, second = reports
+    assert [b.at_graph_end for b in first.blocks] == [False, True]
+    assert first.rejected == () and first.early_share == 1.0
+    # the last graph ends at the forward's return: only the backward follows it
+    assert [b.at_graph_end for b in second.blocks] == [False]
+    assert [r.reason for r in second.rejected] == ["last_block"]
+
+
+@pytest.mark.parametrize("model", [Chain, OneElementLossChain, LoggedChain],
+                         ids=["chain", "one-element-loss", "logged"])
+def test_a_graph_that_ends_at_the_forwards_return_keeps_its_last_block_in_the_backward(model):
+    with collect_reports() as reports:
+        check_parity(model(3), chain_inputs, rtol=0, atol=0)
+    (report,) = reports
+    assert not any(b.at_graph_end for b in report.blocks)
+    assert [r.reason for r in report.rejected] == ["last_block"]
+
+
+def test_the_main_stream_leaves_the_wait_for_the_graph_end_block_to_the_backward():
+    stages = Stages(Chain(3), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=3, stages_on_side=False),
+                    graph_end=True)
+    program, streams = build(stages)
+    values = real_values(stages.fw)
+    program([values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")])
+    trace = streams.trace
+    # the last stage's block runs on stream 3 once the main stream made its inputs; the loss
+    # sum waits for blocks 0 and 1 (their losses), the join too, and stream 3 is left running
+    assert trace[-6:] == [("wait", 3, (0,)), ("run", 3),
+                          ("wait", 0, (1, 2)), ("run", 0),
+                          ("join", (1, 2)), ("defer", (3,))]
+    assert program.graph_end.pending == [3]
+
+
+def test_a_forward_whose_backward_never_comes_disarms_after_one_waste(programs):
+    model = GraphBreakChain()
+    run = compiled(model)
+    x, y = chain_inputs()
+    run(x, y).backward()
+    (graph_end,) = programs
+    assert graph_end.armed
+    for _ in range(3):
+        run(x, y)  # a metric with grad enabled: the outputs are dropped, no backward
+        gc.collect()
+    assert not graph_end.armed and "without a backward" in graph_end.disarmed_reason
+
+
+def test_disarmed_the_backward_runs_the_blocks_and_equals_eager_bitwise(programs, monkeypatch):
+    ran = []
+    run_graph_end = graph_end_module.GraphEndBackward.__call__
+
+    def call(self, args):
+        ran.append(any(self.graph_end.stashed(args[i]) is not None for i, _ in self.gradients))
+        return run_graph_end(self, args)
+
+    monkeypatch.setattr(graph_end_module.GraphEndBackward, "__call__", call)
+    eager = GraphBreakChain()
+    erased = copy.deepcopy(eager)
+    run = compiled(erased)
+    for step in range(3):
+        inputs = chain_inputs()
+        for module in (eager, erased):
+            module.zero_grad(set_to_none=True)
+        eager(*inputs).backward()
+        loss = run(*inputs)
+        if step == 0:
+            programs[0].disarm("the test")
+        if step > 0:
+            assert len(programs[0]._stashes) == 1
+        loss.backward()
+        del loss
+        gc.collect()
+        assert not programs[0]._stashes
+        assert_same_grads(eager, erased, rtol=0, atol=0)
+    assert ran == [False, True, True]
+
+
+def test_two_forwards_then_one_backward_keep_the_program_armed(programs):
+    eager = GraphBreakChain()
+    erased = copy.deepcopy(eager)
+    run = compiled(erased)
+    a, b = chain_inputs(), chain_inputs()
+    (eager(*a) + eager(*b)).backward()
+    (run(*a) + run(*b)).backward()
+    gc.collect()
+    assert_same_grads(eager, erased, rtol=0, atol=0)
+    assert programs[0].armed
+
+
+class LoggedItem(nn.Module):
+    """Detached blocks whose local losses are logged with ``.item()`` in the forward: a
+    graph break in each block's step (Dynamo then compiles each call of ``local_step`` on
+    its own: a break inside a loop cannot resume in the middle of ``forward``)."""
+
+    def __init__(self, blocks: int = 3, d: int = 16, classes: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.ReLU())
+                                    for _ in range(blocks))
+        self.heads = nn.ModuleList(nn.Linear(d, classes) for _ in range(blocks))
+        self.logged: list[float] = []
+
+    def local_step(self, i, h, labels):
+        h = self.blocks[i](h.detach())
+        local = F.cross_entropy(self.heads[i](h), labels)
+        self.logged.append(local.item())
+        return h, local
+
+    def forward(self, x, labels):
+        loss, h = 0, x
+        for i in range(len(self.blocks)):
+            h, local = self.local_step(i, h, labels)
+            loss = loss + local
+        return loss
+
+
+def test_blocks_separated_by_item_calls_all_run_early():
+    with collect_reports() as reports:
+        check_parity(LoggedItem(), chain_inputs, rtol=0, atol=0)
+    # a graph per block (a call of local_step, recompiled per i), each ending at .item()
+    blocks = [b for r in reports for b in r.blocks]
+    assert len(blocks) >= 3 and all(b.at_graph_end for b in blocks)
+    assert all(not r.rejected for r in reports)
+
+
+def test_with_inductor_the_blocks_at_the_graphs_end_equal_stock_inductor():
+    torch.manual_seed(0)
+    model = GraphBreakChain()
+    stock, erased = copy.deepcopy(model), copy.deepcopy(model)
+    runs = [(stock, torch.compile(stock, backend="inductor")),
+            (erased, torch.compile(erased, backend="erase", options={"on_error": "raise"}))]
+    for _ in range(2):
+        inputs = chain_inputs()
+        for module, run in runs:
+            module.zero_grad(set_to_none=True)
+            run(*inputs).backward()
+        assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
