@@ -54,7 +54,13 @@ def test_the_text_says_where_each_graph_ends_and_which_graph_follows():
             f"({reports[0].graph_break.reason}): what follows is graph {second}") in flat
     assert "self.logged.append(loss1.item())" in text
     assert "hint: Set `torch._dynamo.config.capture_scalar_outputs = True`" in flat
-    # the block ready only at the end of graph 0 says what separates it from graph 1
+    # the block ready only at the end of graph 0 runs there, while graph 1 runs
+    # (erase_fx.emit.graph_end); it reads the gradient of loss1 too (kept for .item())
+    assert reports[0].blocks[0].at_graph_end and not reports[0].rejected
+    assert "the graph's end (+1 output)" in flat
+    # where it cannot (no side stream), its row says what separates it from graph 1
+    flat = " ".join(format_reports(erase_fx.explain(
+        ItemLogged(), *inputs(), erase_options={"streams": 0})).split())
     assert (f"nothing later to overlap (at head1 (cross_entropy), node nll_loss_forward); the "
             f"graph break at {os.path.relpath(BREAK_MODELS)}:{line} (below) separates it from "
             "what follows") in flat
