@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine; both set up .venv on first use.
 #   make demo   train the demo models with eager and with backend="erase"
 #   make test   run the test suite (CPU only)
+#   make test-all  the same, with the slow tests (long Inductor compiles)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_TORCH := $(shell $(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if (2, 11) <= v <= (2, 15) else 1)" 2>/dev/null && echo yes)
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-all setup clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +35,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ""
 
 clean:
 	rm -rf $(VENV) build *.egg-info
