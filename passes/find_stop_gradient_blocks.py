@@ -80,7 +80,6 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig

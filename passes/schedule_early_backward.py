@@ -83,7 +83,7 @@ def schedule_early_backward(
     """
     if not analysis.blocks:
         return PassResult(gm, modified=False)
-    new_gm, node_map = clone_module(gm)
+    new_gm, _ = clone_module(gm)
     graph = new_gm.graph
     by_name = {n.name: n for n in graph.nodes}
     fake_mode = fake_mode_of(graph)
@@ -94,50 +94,10 @@ def schedule_early_backward(
     for block in analysis.blocks:
         comp = block.component
         tangent = by_name[block.tangent]
-        tangent_val = val_of(tangent)
         to_clone = set(comp.seeds) | set(comp.helpers) | set(comp.nodes)
-        early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id,
-                              at_graph_end=block.at_graph_end)
-        pieces = _pieces(comp, by_name, to_clone)
-
-        with graph.inserting_after(by_name[pieces[0][0]]):
-            # NB: the tangent's own shape: a loss accumulated into torch.zeros(1) is [1]
-            seed = call_with_val(
-                graph,
-                aten.full.default,
-                (list(tangent_val.shape), float(cfg.seed)),
-                {"dtype": tangent_val.dtype, "layout": torch.strided,
-                 "device": tangent_val.device, "pin_memory": False},
-                fake_mode=fake_mode,
-            )
-        _tag_forward(seed, early_meta)
-
-        # NB: the other outputs' tangents are zero in the early copy: their part of the
-        # gradient is computed in the backward (`_copy_late`)
-        env: dict[fx.Node, Any] = {tangent: seed,
-                                   **{by_name[g]: ZERO for g in block.other_tangents}}
         dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
-        last = seed
-        for index, (ready, members) in enumerate(pieces):
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            if order[by_name[ready]] > order[last]:
-                last = by_name[ready]
-            meta = (early_meta if len(pieces) == 1
-                    else dataclasses.replace(early_meta, piece=index))
-            if index == 0:
-                set_meta(seed, meta)
-            made: list[fx.Node] = []
-
-            def tag(node: fx.Node, meta: NodeMeta = meta) -> None:
-                _tag_forward(node, meta)
-                made.append(node)
-
-            for node in [n for n in graph.nodes if n in members]:  # graph order: topological
-                with graph.inserting_before(last.next):
-                    env[node] = copy_folding_zeros(graph, node, env, dependent,
-                                                   fake_mode=fake_mode, made=tag)
-                if made:
-                    last = made[-1]
+        env = _copy_early(graph, block, by_name, _pieces(comp, by_name, to_clone), dependent,
+                          cfg.seed, fake_mode)
         late = (_copy_late(graph, comp, tangent, by_name, dependent, fake_mode)
                 if block.other_tangents else {})
 
@@ -155,6 +115,50 @@ def schedule_early_backward(
     graph.lint()
     new_gm.recompile()
     return PassResult(new_gm, modified=True)
+
+
+def _copy_early(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
+                pieces: list[tuple[str, set[fx.Node]]], dependent: set[fx.Node], seed: float,
+                fake_mode: Any) -> dict[fx.Node, Any]:
+    """The block's early copy: the seed right after its first ready point, then each piece's
+    nodes after that piece's ready point, the loss tangent read as the seed and the other
+    outputs' tangents as zero (their part of the gradient is the backward's: `_copy_late`).
+    Returns the original -> copy (or ``ZERO``) map."""
+    tangent = by_name[block.tangent]
+    tangent_val = val_of(tangent)
+    early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id, at_graph_end=block.at_graph_end)
+    with graph.inserting_after(by_name[pieces[0][0]]):
+        # NB: the tangent's own shape: a loss accumulated into torch.zeros(1) is [1]
+        seed_node = call_with_val(
+            graph, aten.full.default, (list(tangent_val.shape), float(seed)),
+            {"dtype": tangent_val.dtype, "layout": torch.strided,
+             "device": tangent_val.device, "pin_memory": False},
+            fake_mode=fake_mode)
+    _tag_forward(seed_node, early_meta)
+    env: dict[fx.Node, Any] = {tangent: seed_node,
+                               **{by_name[g]: ZERO for g in block.other_tangents}}
+    last = seed_node
+    for index, (ready, members) in enumerate(pieces):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[by_name[ready]] > order[last]:
+            last = by_name[ready]
+        meta = (early_meta if len(pieces) == 1
+                else dataclasses.replace(early_meta, piece=index))
+        if index == 0:
+            set_meta(seed_node, meta)
+        made: list[fx.Node] = []
+
+        def tag(node: fx.Node, meta: NodeMeta = meta) -> None:
+            _tag_forward(node, meta)
+            made.append(node)
+
+        for node in [n for n in graph.nodes if n in members]:  # graph order: topological
+            with graph.inserting_before(last.next):
+                env[node] = copy_folding_zeros(graph, node, env, dependent,
+                                               fake_mode=fake_mode, made=tag)
+            if made:
+                last = made[-1]
+    return env
 
 
 def _pieces(comp, by_name: dict[str, fx.Node],

@@ -14,7 +14,6 @@ returns a tuple or list of outputs.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
