@@ -46,7 +46,7 @@ from erase_fx.compilation import GraphCompilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
 from erase_fx.errors import EraseOptionError
-from erase_fx.names import input_names
+from erase_fx.names import input_names, output_names
 from erase_fx.report import publish
 
 _graph_ids = itertools.count()
@@ -71,7 +71,8 @@ def erase_backend(
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm),
-                                   ends_at_graph_break=ends_at_graph_break(gm))
+                                   ends_at_graph_break=ends_at_graph_break(gm),
+                                   output_names=output_names(gm))
     compilation.data_parallel = ddp.active_ddp_module()
     compilation.require_early_blocks = ddp.whole_ddp_graph()
     # NB: stock compilers take ownership of the graph they compile and may

@@ -82,13 +82,15 @@ class GraphCompilation:
     """The state shared by AOTAutograd's callbacks for one compiled graph."""
 
     def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str],
-                 ends_at_graph_break: bool = False):
+                 ends_at_graph_break: bool = False, output_names: Sequence[str] = ()):
         self.cfg = cfg
         #: Dynamo ended this graph at a graph break: more of the forward follows it, which
         #: its last block's backward can overlap (`erase_fx.emit.graph_end`)
         self.ends_at_graph_break = ends_at_graph_break
         self.graph_id = graph_id
         self.input_names = list(input_names)
+        #: each output of the Dynamo graph, named with where the user's code makes it
+        self.output_names = list(output_names)
         self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
         self.timing = TimingInstrument()
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
@@ -283,7 +285,7 @@ class GraphCompilation:
         """Right after the analysis, before the scheduling: the report, unsupported blocks, and
         the outputs whose gradients decide which backward runs."""
         self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg,
-                                                joint=found.gm)
+                                                joint=found.gm, output_names=self.output_names)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None

@@ -1,4 +1,6 @@
-"""Readable names of the inputs of a Dynamo graph: parameters by their qualified names.
+"""Readable names of the inputs and outputs of a Dynamo graph.
+
+Inputs: parameters by their qualified names.
 
 AOTAutograd's flat inputs are the module's own parameters and buffers (none
 when Dynamo lifts them, the default) followed by the graph's placeholders.
@@ -7,12 +9,18 @@ Dynamo names a lifted parameter by its source (``L['self']._modules['stages']
 """
 from __future__ import annotations
 
+import os
 import re
 
+import torch
 import torch.fx as fx
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 _SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
+#: the same attribute reached through ``__dict__`` (a forward that sets ``self.x = ...``)
+_SOURCE_DICT_PART = re.compile(r"\.__dict__\['(_(?:modules|parameters|buffers))'\]\['([^']*)'\]")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def input_names(gm: fx.GraphModule) -> list[str]:
@@ -31,8 +39,38 @@ def source_name(node: fx.Node) -> str:
     if source is None:
         return str(node.target)
     name = source.name() if callable(source.name) else source.name
+    name = _SOURCE_DICT_PART.sub(lambda m: f".{m.group(1)}['{m.group(2)}']", name)
     parts = _SOURCE_PART.findall(name)
     if parts:
         return ".".join(parts)
     local = _SOURCE_LOCAL.match(name)
     return local.group(1) if local else name
+
+
+def output_names(gm: fx.GraphModule) -> list[str]:
+    """A readable name for each output of a Dynamo graph: the value's name and where in the
+    user's code it is made (``mean, made at model.py:42: self.logged.append(h.mean(0))``),
+    from the node's ``stack_trace``; the name alone where there is none."""
+    out = gm.graph.find_nodes(op="output")[0]
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return [_described(v) if isinstance(v, fx.Node) else repr(v) for v in values]
+
+
+def _described(node: fx.Node) -> str:
+    where = user_line(node.meta.get("stack_trace") or "")
+    return f"{node.name}, made at {where}" if where else node.name
+
+
+def user_line(stack_trace: str) -> str | None:
+    """``file:line: code`` of the innermost frame of a formatted stack trace that is not in
+    torch's own sources (the user's line), or None."""
+    lines = stack_trace.splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        frame = _FRAME.search(line)
+        if frame is None or os.path.abspath(frame.group(1)).startswith(_TORCH_ROOT):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        found = f"{os.path.relpath(frame.group(1))}:{frame.group(2)}" + (
+            f": {code}" if code else "")
+    return found

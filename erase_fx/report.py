@@ -11,13 +11,18 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.passes import BlockAnalysis, stages_go_to_side_streams, stream_of_block
+from erase_fx.passes import (
+    BlockAnalysis,
+    RejectReason,
+    stages_go_to_side_streams,
+    stream_of_block,
+)
 from erase_fx.passes.split_at_sums import module_path
 
 
@@ -47,9 +52,10 @@ class BlockReport:
             people: the module and the op (`node_origin`), e.g.
             ``stages.0.head (cross_entropy)``; None when the report was made
             without the joint graph.
-        other_outputs: how many outputs besides the loss it reads the gradients
-            of (tensors kept for logging, captured by hooks): their part of its
-            gradients runs in the backward, only when they get a gradient.
+        other_outputs: the outputs besides the loss it reads the gradients of
+            (tensors kept for logging, captured by hooks), each named with where
+            the user's code makes it (`erase_fx.names.output_names`): their part
+            of its gradients runs in the backward, only when they get a gradient.
         at_graph_end: it is ready only when the graph's forward ends, and runs
             there while what follows the graph runs (`erase_fx.emit.graph_end`).
     """
@@ -64,7 +70,7 @@ class BlockReport:
     partials: int = 0
     pieces: int = 0
     ready_after_origin: str | None = None
-    other_outputs: int = 0
+    other_outputs: tuple[str, ...] = ()
     at_graph_end: bool = False
 
 
@@ -213,14 +219,24 @@ class GraphReport:
     @classmethod
     def from_analysis(
         cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig,
-        joint: fx.GraphModule | None = None,
+        joint: fx.GraphModule | None = None, output_names: Sequence[str] = (),
     ) -> GraphReport:
         """The report of ``analysis``; with the ``joint`` graph it was made from, each
-        ready point and rejected node also says where in the model it is."""
+        ready point and rejected node also says where in the model it is, and with the
+        Dynamo graph's ``output_names`` (`erase_fx.names.output_names`), which outputs a
+        tangent is the gradient of."""
         by_name = {node.name: node for node in joint.graph.nodes} if joint is not None else {}
 
         def origin(name: str | None) -> str | None:
             return node_origin(by_name[name]) if name in by_name else None
+
+        def output(tangent: str) -> str:
+            index = getattr(getattr(by_name.get(tangent), "meta", {}).get("desc"), "output",
+                            None)
+            index = getattr(index, "idx", None)
+            if isinstance(index, int) and index < len(output_names):
+                return output_names[index]
+            return f"the output whose gradient is {tangent}"
 
         return cls(
             graph_id=graph_id,
@@ -237,7 +253,7 @@ class GraphReport:
                     pieces=len(b.component.pieces),
                     ready_after_origin=origin(
                         (b.component.piece_ready or (b.component.ready_after,))[0]),
-                    other_outputs=len(b.other_tangents),
+                    other_outputs=tuple(output(t) for t in b.other_tangents),
                     at_graph_end=b.at_graph_end,
                 )
                 for b in analysis.blocks
@@ -246,7 +262,10 @@ class GraphReport:
                 RejectedReport(
                     params=r.params,
                     reason=r.reason.value,
-                    detail=r.detail,
+                    detail=r.detail + (
+                        "; the outputs it reads the gradients of: "
+                        + "; ".join(output(t) for t in r.component.tangents)
+                        if r.reason is RejectReason.NOT_SCALAR_TANGENT else ""),
                     node=r.node,
                     num_nodes=r.component.num_nodes,
                     flops=r.component.flops,
@@ -298,7 +317,9 @@ class GraphReport:
             raise ValueError(f"unknown GraphReport fields: {sorted(unknown)}")
         data = dict(data)
         data["blocks"] = tuple(
-            BlockReport(**{**b, "params": tuple(b["params"])}) for b in data.get("blocks", ())
+            BlockReport(**{**b, "params": tuple(b["params"]),
+                           "other_outputs": tuple(b.get("other_outputs", ()))})
+            for b in data.get("blocks", ())
         )
         data["rejected"] = tuple(
             RejectedReport(**{**r, "params": tuple(r["params"])}) for r in data.get("rejected", ())

@@ -62,6 +62,12 @@ def format_report(report: GraphReport, *, number: int | None = None, key: bool =
         headers = ("block", "stream", "#params", "params", "ready after", "nodes", "bwd FLOPs",
                    "share of bwd")
         lines += format_table(headers, rows, indent="  ")
+        for b in report.blocks:
+            if b.other_outputs:
+                lines += _wrapped(
+                    f"block {b.id} also reads the gradients of: " + "; ".join(b.other_outputs)
+                    + " (their part of its gradients runs in the backward, only when they get "
+                    "a gradient)", indent="    ")
     if report.rejected:
         lines.append("  left in the backward:")
         rows = [
@@ -88,8 +94,9 @@ def ready_point(block: BlockReport) -> str:
     block at the graph's end, that; for one that reads other outputs' gradients, how many."""
     text = "the graph's end" if block.at_graph_end else (
         block.ready_after_origin or block.ready_after)
-    if block.other_outputs:
-        text += f" (+{block.other_outputs} output{'s' if block.other_outputs > 1 else ''})"
+    count = len(block.other_outputs)
+    if count:
+        text += f" (+{count} output{'s' if count > 1 else ''})"
     return text
 
 

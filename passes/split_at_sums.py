@@ -364,6 +364,9 @@ def _where(last: fx.Node, summands: list[fx.Node], reach: Mapping[fx.Node, froze
 
 
 _ROOT = re.compile(r"^(L\['[^']*'\]|self(?=\.|$))")
+#: Dynamo's path through a module whose ``__dict__`` the forward changes (``self.x = ...``):
+#: ``.__dict__['_modules']['stages']`` for ``._modules['stages']``
+_DICT_ITEM = re.compile(r"\.__dict__\['(_modules|_parameters|_buffers)'\]\['([^']*)'\]")
 _ITEM = re.compile(r"\._modules\['([^']*)'\]|\[['\"]?([^\]'\"]*)['\"]?\]")
 
 
@@ -380,6 +383,7 @@ def module_path(node: fx.Node) -> str | None:
     raw = entry[0] if isinstance(entry, tuple) else entry
     if not isinstance(raw, str):
         return None
+    raw = _DICT_ITEM.sub(lambda m: f"._modules['{m.group(2)}']", raw)
     path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2)), _ROOT.sub("", raw))
     return path.strip(".") or None
 

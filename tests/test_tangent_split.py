@@ -10,7 +10,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import erase_fx
 from erase_fx.config import EraseConfig
 from erase_fx.emit import live_tangents
 from erase_fx.passes import RejectReason, Role, get_meta, run_pass
@@ -213,3 +215,34 @@ def test_with_inductor_the_split_blocks_equal_stock_inductor():
             module.zero_grad(set_to_none=True)
             run(*inputs).backward()
         assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
+
+
+def test_explain_names_the_other_outputs_where_the_users_code_makes_them():
+    from erase_fx.report_text import format_reports
+
+    reports = erase_fx.explain(LoggedChain(3), *chain_inputs())
+    (report,) = reports
+    block = report.blocks[0]
+    # NB: the forward sets self.logged: Dynamo reaches the parameters through __dict__
+    assert block.params[0] == "stages.0.0.weight"
+    (other,) = block.other_outputs
+    assert other.startswith("mean, made at ") and "graphs.py:" in other
+    assert other.endswith("self.logged.append(h.mean(0))")
+    text = " ".join(format_reports(reports).split())
+    assert "(+1 output)" in text
+    assert "block 0 also reads the gradients of: mean, made at" in text
+
+
+def test_a_block_that_reads_no_loss_names_the_outputs_it_reads():
+    class LocalOutput(Chain):
+        def forward(self, x, labels):
+            h = self.stages[0](x)
+            local = self.heads[0](h)  # a head without a loss
+            return F.cross_entropy(self.heads[1](self.stages[1](h.detach())), labels), local
+
+    (report,) = erase_fx.explain(LocalOutput(2), *chain_inputs())
+    rejected = [r for r in report.rejected if r.reason == "not_scalar_tangent"]
+    assert rejected  # the head's weights and stage 0's
+    for row in rejected:
+        assert "the outputs it reads the gradients of: local, made at" in row.detail
+        assert "local = self.heads[0](h)" in row.detail
