@@ -257,6 +257,11 @@
 #   bash bench/device_run.sh paper-ctr-speed  erase+graphs and reduce-overhead only, 5 seeds
 #                                          (~3 min): the speed claim, side by side
 #   bash bench/device_run.sh paper      digits (full preset), NanoChat (both attentions), the report
+#   bash bench/device_run.sh frameworks-a  bench.frameworks: a Lightning Trainer step on
+#                                      tv-resnet18-dgl:256:32, compiled each way (eager, inductor,
+#                                      reduce-overhead, erase+graphs, inductor+step, erase+step;
+#                                      needs lightning and torchvision on the image) (~8 min)
+#   bash bench/device_run.sh frameworks-b  the same on ctr:1024:512:1024:6 (~6 min)
 # Each part updates the current tables in bench/results/ (bench/results/README.md: step.json
 # and step.md for bench.run's rows, check_*.md, memory.md, ...; paper/). Where $OUT is set (the
 # device machine: what is written under it comes back) the tables a part changed are copied to
@@ -277,6 +282,7 @@ case "${1:-}" in
   streams-d|streams-e|async-a|async-b|step-b|early-a|early-b|early-c|early-d|early-e) ;;
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
+  frameworks-a|frameworks-b) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
 ART=${OUT:-/tmp/erase_fx_device_run}
@@ -795,6 +801,12 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
   paper-ctr-speed)
     timeout 580 python3 -m bench.paper.ctr --variants reduce-overhead,erase+graphs --seeds 5 \
       --freeze-steps 0 --budget-s 400 --name ctr-speed ;;
+  frameworks-a)
+    timeout 570 python3 -m bench.frameworks --budget-s 450 --configs tv-resnet18-dgl:256:32 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
+  frameworks-b)
+    timeout 570 python3 -m bench.frameworks --budget-s 450 --configs ctr:1024:512:1024:6 2>&1 \
+      | grep -v '^erase_fx: graph' ;;
   paper)
     timeout 230 python3 -m bench.paper.digits || true
     timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa || true
