@@ -41,7 +41,12 @@ from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
 from erase_fx.early_grads import EarlyGrad, plan_early_grads
 from erase_fx.early_update import EarlyUpdates, plan_early_updates, unprovable_loss_gradient
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
-from erase_fx.emit.cudagraphs import GraphedForward, graph_backward, graph_forward
+from erase_fx.emit.cudagraphs import (
+    GraphedForward,
+    data_dependent_refusal,
+    graph_backward,
+    graph_forward,
+)
 from erase_fx.emit.inductor_segments import (
     compile_inductor_segments,
     keep_early_values_at_fx_strides,
@@ -167,6 +172,8 @@ class GraphCompilation:
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                         **inductor_kwargs: Any) -> Any:
         self._note_forward_metadata()
+        # NB: before compiling: Inductor takes the module over
+        data_dependent = data_dependent_refusal(fw)
         blocks = len(self.report.blocks)
         early = f"{blocks} early block{'s' if blocks != 1 else ''}"
         in_segments = False
@@ -187,7 +194,7 @@ class GraphCompilation:
                     self._fall_back("compile_forward", error, keep_schedule=True)
             if compiled is None:
                 compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-        return self._maybe_graph_forward(compiled, example_inputs)
+        return self._maybe_graph_forward(compiled, example_inputs, data_dependent)
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                          **inductor_kwargs: Any) -> Any:
@@ -472,9 +479,10 @@ class GraphCompilation:
         self.backward_guard.donates_buffers = bool(
             getattr(self.fw_metadata, "bw_donated_idxs", None))
 
-    def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any]) -> Any:
-        """The compiled forward, replayed from a CUDA graph where the config and graph allow."""
-        refusal = None
+    def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any],
+                             refusal: str | None = None) -> Any:
+        """The compiled forward, replayed from a CUDA graph where the config and graph allow
+        (``refusal``: why the forward module cannot be, `data_dependent_refusal`)."""
         if self.early_allreduce is not None and self.early_allreduce.attached:
             refusal = ("it all-reduces early gradients in the forward (early_allreduce), which "
                        "replay cannot do step by step")

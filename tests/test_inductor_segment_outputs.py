@@ -172,3 +172,18 @@ def test_a_graph_with_unbacked_sizes_is_refused_cuda_graphs_as_stock_inductor_re
     assert get_first_incompatible_cudagraph_node(masked) is not None
     assert data_dependent_refusal(masked).startswith("data-dependent sizes or values (node ")
     assert data_dependent_refusal(trace_joint(Chain(3), *chain_inputs()).gm) is None
+
+
+@pytest.mark.usefixtures("data_dependent_shapes")
+def test_the_compiled_forward_with_unbacked_sizes_is_refused_its_cuda_graph(monkeypatch):
+    """The refusal reaches `graph_forward` (on CUDA the capture would fail at the mask's host
+    read, or replay the captured step's sizes)."""
+    from erase_fx import compilation
+
+    asked = []
+    monkeypatch.setattr(compilation, "graph_forward",
+                        lambda compiled, *args, refusal=None, **kwargs: asked.append(refusal))
+    compiled = torch.compile(MaskedChain(), backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    compiled(*masked_inputs()).backward()
+    assert asked and asked[0].startswith("data-dependent sizes or values (node ")
