@@ -13,7 +13,8 @@ backward of what follows it.
 
 How:
   1. backward region = the nodes that transitively read a tangent;
-  2. seed nodes = backward nodes reading only tangents (``expand(T)``, ``T / n``);
+  2. seed nodes = backward nodes reading only tangents, seeds and constants
+     (``expand(T)``, ``T / n``);
   3. the other backward nodes fall into connected components (networkx); each
      is an independent backward piece;
   4. a piece's *ready point* is its last forward producer: the last node that
@@ -179,6 +180,11 @@ class Block:
             (the last block of a chain; a graph's only block when graph breaks
             separate blocks): it runs there, while what follows the graph runs
             (the next graphs' forwards), instead of in the backward.
+        loss_seed: the one-element value its backward reads the loss tangent
+            through (`Dataflow.loss_seed`): the tangent itself for a loss of
+            one element; an element of it for a loss written into a slot of a
+            larger tensor (``losses[:, i] = local``). The early copy is seeded
+            there; empty means the tangent.
     """
 
     id: int
@@ -187,6 +193,12 @@ class Block:
     params: tuple[str, ...]
     other_tangents: tuple[str, ...] = ()
     at_graph_end: bool = False
+    loss_seed: str = ""
+
+    @property
+    def seed_node(self) -> str:
+        """The node the early copy is seeded at: `loss_seed`, or the tangent."""
+        return self.loss_seed or self.tangent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,10 +289,11 @@ def find_stop_gradient_blocks(
     early.sort(key=facts.order)
     blocks = []
     for i, comp in enumerate(early):
-        loss = facts.loss_tangent(comp)
+        loss, seed = facts.loss_seed(comp)
         blocks.append(Block(i, comp, loss, facts.params_of(comp),
                             tuple(t for t in comp.tangents if t != loss),
-                            at_graph_end=facts.ready_position(comp) >= latest))
+                            at_graph_end=facts.ready_position(comp) >= latest,
+                            loss_seed="" if seed == loss else seed))
     analysis = BlockAnalysis(
         blocks=tuple(blocks),
         rejected=tuple(rejected),
@@ -338,8 +351,10 @@ class Dataflow:
         backward = {n for n in backward if n.op != "output"}
         seeds: set[fx.Node] = set()
         for node in nodes:
+            # NB: a constant (``full([1], 0)``, no inputs) is read as the tangents are: the
+            # zeros Inductor's decompositions write into a loss tensor's slots
             if node in backward and node.op == "call_function" and all(
-                a in seeds or is_tangent(a) for a in node.all_input_nodes
+                a in seeds or is_tangent(a) or _is_constant(a) for a in node.all_input_nodes
             ):
                 seeds.add(node)
         forward_outputs = [o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
@@ -381,21 +396,67 @@ class Dataflow:
         """NB: deterministic order please: by ready point, then by first node."""
         return self.ready_position(comp), self.position[self.by_name[comp.nodes[0]]]
 
-    def loss_tangent(self, comp: Component) -> str | None:
-        """The tangent ``comp``'s early backward is seeded for: of the one-element
-        tangents it reads, the gradient of the output the forward makes last (a loss
-        accumulated as ``total = total + local`` and returned beside ``local``, kept
-        for logging, is ``total``); None when it reads none.
+    def loss_seed(self, comp: Component) -> tuple[str, str] | None:
+        """The tangent ``comp``'s early backward is seeded for, and the one-element value
+        it reads that tangent through (``(tangent, seed)``: the tangent itself when it
+        has one element); None when it reads no such value.
+
+        Of the tangents with such a value, the gradient of the output the forward makes
+        last (a loss accumulated as ``total = total + local`` and returned beside
+        ``local``, kept for logging, is ``total``).
 
         NB: any choice is exact: the other tangents' part of the gradient is computed in
         the backward. The choice decides which part runs early.
         """
-        losses = [name for name in comp.tangents
-                  if is_one_element(self.by_name[name].meta.get("val"))]
-        if not losses:
+        found = []
+        for name in comp.tangents:
+            seed = self._one_element_seed(comp, self.by_name[name])
+            if seed is not None:
+                found.append((name, seed.name))
+        if not found:
             return None
-        return max(losses, key=lambda name: (self.output_position.get(name, -1),
-                                             self.position[self.by_name[name]]))
+        return max(found, key=lambda pair: (self.output_position.get(pair[0], -1),
+                                            self.position[self.by_name[pair[0]]]))
+
+    def _one_element_seed(self, comp: Component, tangent: fx.Node) -> fx.Node | None:
+        """The one-element value every path from ``tangent`` into ``comp`` passes through,
+        the closest to ``comp``: ``tangent`` itself if it has one element; for a loss
+        written into slots of a larger tensor (``losses[:, i] = local``), the element the
+        block's loss gradient is read from (``select(tangents_1, 1, i)`` and what
+        autograd makes of it). Only what follows it must be linear: the backward
+        computes it from the tangent as it is, and the early gradients are scaled by it.
+        None when no such value exists."""
+        if is_one_element(tangent.meta.get("val")):
+            return tangent
+        seeds = {self.by_name[n] for n in comp.seeds}
+        reach = ({tangent} | nx.descendants(self.edges, tangent)) & (seeds | {tangent})
+        members = {self.by_name[n] for n in comp.nodes}
+        frontier = {a for m in members for a in m.all_input_nodes if a in reach}
+        if not frontier:
+            return None
+        paths = self.edges.subgraph(reach)
+        common = set.intersection(*({f} | nx.ancestors(paths, f) for f in frontier))
+        for seed in sorted(common, key=self.position.__getitem__, reverse=True):
+            if not is_one_element(seed.meta.get("val")) or self.tangents_of(seed) != {tangent}:
+                continue
+            around = paths.subgraph(n for n in reach if n is not seed)
+            if not any(f is not seed and f in around and nx.has_path(around, tangent, f)
+                       for f in frontier):
+                return seed
+        return None
+
+    def tangents_of(self, node: fx.Node) -> set[fx.Node]:
+        """The tangents ``node`` depends on."""
+        return {a for a in nx.ancestors(self.edges, node) | {node} if is_tangent(a)}
+
+    def upstream_of_seed(self, comp: Component, seed: str) -> set[str]:
+        """The seeds of ``comp`` that make its loss seed (the seed included): the backward
+        computes them from the tangent as they are; the early copy starts after them."""
+        node = self.by_name[seed]
+        if is_tangent(node):
+            return set()
+        ancestors = nx.ancestors(self.edges, node)
+        return {n for n in comp.seeds if self.by_name[n] in ancestors} | {seed}
 
     def params_of(self, comp: Component) -> tuple[str, ...]:
         return tuple(self.primal_label[i] for i, _ in sorted(comp.grad_outputs))
@@ -423,11 +484,11 @@ def _judge_components(
     """
 
     def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
-        return _reject_reason(comp, facts.by_name, latest, facts.position)
+        return _reject_reason(comp, facts, latest)
 
     def judge_at_end(comp: Component) -> tuple[RejectReason | None, str, str | None]:
         # NB: the ready point judged as if a later one existed: the graph's end
-        return _reject_reason(comp, facts.by_name, latest + 1, facts.position)
+        return _reject_reason(comp, facts, latest + 1)
 
     def judge_part(part: Component) -> tuple[RejectReason | None, str, str | None]:
         why = judge(part)
@@ -526,33 +587,37 @@ def _describe(
 
 def _reject_reason(
     comp: Component,
-    by_name: dict[str, fx.Node],
+    facts: Dataflow,
     latest: int,
-    position: dict[fx.Node, int],
 ) -> tuple[RejectReason | None, str, str | None]:
+    by_name = facts.by_name
     if not comp.grad_outputs and not comp.partials:
         return RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input", None
-    if position[by_name[comp.ready_after]] >= latest:
+    if facts.ready_position(comp) >= latest:
         return (
             RejectReason.LAST_BLOCK,
             "its backward is ready only when the forward ends: nothing later to overlap",
             comp.ready_after,
         )
-    if not any(is_one_element(by_name[name].meta.get("val")) for name in comp.tangents):
+    loss = facts.loss_seed(comp)
+    if loss is None:
         shapes = ", ".join(f"{name} {tuple(by_name[name].meta['val'].shape)}"
                            for name in comp.tangents)
         return (
             RejectReason.NOT_SCALAR_TANGENT,
-            f"reads no gradient of a one-element output (a loss), only of larger ones "
-            f"({shapes})",
+            f"reads no gradient of a one-element output (a loss), nor an element of one, "
+            f"only of larger outputs ({shapes})",
             comp.tangents[0],
         )
+    upstream = facts.upstream_of_seed(comp, loss[1])
     dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
     for name in comp.seeds + comp.nodes + comp.helpers:
         node = by_name[name]
         if _mutates(node):
             return RejectReason.MUTATION, f"{node.target} mutates its input", name
     for name in comp.seeds + comp.nodes:
+        if name in upstream:
+            continue  # NB: computed from the tangent as it is: need not be linear
         why = linearity_violation(by_name[name], dependent)
         if why is not None:
             return RejectReason.NOT_LINEAR, why, name
@@ -704,6 +769,11 @@ def _met_in_sums_text(
     return text + ", and no term's part can run early on its own (" + "; ".join(why) + ")"
 
 
+def _is_constant(node: fx.Node) -> bool:
+    """A pure op with no input nodes (``full([1], 0)``): the same value every step."""
+    return node.op == "call_function" and not node.all_input_nodes and not node.is_impure()
+
+
 def _mutates(node: fx.Node) -> bool:
     if node.meta.get("partitioner_tag") == "must_be_in_backward":
         return True
@@ -734,12 +804,13 @@ def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
         if overlap:
             raise GraphInvariantError(PASS_NAME, "blocks share nodes", node=sorted(overlap)[0])
         seen |= set(comp.nodes)
-        tangent = by_name[block.tangent]
+        seed = by_name[block.seed_node]
         if (sorted(comp.tangents) != sorted((block.tangent, *block.other_tangents))
-                or not is_one_element(tangent.meta["val"])):
-            raise GraphInvariantError(PASS_NAME, "a block's loss tangent must be a one-element "
-                                      "tangent it reads; the others, its other tangents",
-                                      node=block.tangent)
+                or not is_one_element(seed.meta["val"])
+                or not (seed.name == block.tangent or seed.name in comp.seeds)):
+            raise GraphInvariantError(PASS_NAME, "a block is seeded at a one-element value of "
+                                      "its loss tangent, which it reads; the other tangents it "
+                                      "reads are its other tangents", node=block.seed_node)
         members = set(comp.nodes)
         for name in comp.nodes:
             foreign = [a.name for a in by_name[name].all_input_nodes

@@ -93,12 +93,15 @@ def schedule_early_backward(
 
     for block in analysis.blocks:
         comp = block.component
-        tangent = by_name[block.tangent]
-        to_clone = set(comp.seeds) | set(comp.helpers) | set(comp.nodes)
+        # NB: the loss seed: the tangent, or the element of it the block reads the loss
+        # gradient through; what makes it runs in the backward as it is
+        loss = by_name[block.seed_node]
+        upstream = _upstream_of(loss, set(comp.seeds))
+        to_clone = (set(comp.seeds) | set(comp.helpers) | set(comp.nodes)) - upstream
         dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         env = _copy_early(graph, block, by_name, _pieces(comp, by_name, to_clone), dependent,
                           cfg.seed, fake_mode)
-        late = (_copy_late(graph, comp, tangent, by_name, dependent, fake_mode)
+        late = (_copy_late(graph, comp, loss, upstream, by_name, dependent, fake_mode)
                 if block.other_tangents else {})
 
         _scale_partials(graph, block, by_name, env, late, to_clone, cfg.seed, fake_mode)
@@ -107,7 +110,7 @@ def schedule_early_backward(
             for primal_index, grad_name in comp.grad_outputs:
                 grad = by_name[grad_name]
                 outputs[num_fwd_outputs + primal_index] = _returned_grad(
-                    graph, block, primal_index, env[grad], late.get(grad, ZERO), tangent,
+                    graph, block, primal_index, env[grad], late.get(grad, ZERO), loss,
                     cfg.seed, fake_mode)
 
     out.args = (tuple(outputs),)
@@ -124,18 +127,18 @@ def _copy_early(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
     nodes after that piece's ready point, the loss tangent read as the seed and the other
     outputs' tangents as zero (their part of the gradient is the backward's: `_copy_late`).
     Returns the original -> copy (or ``ZERO``) map."""
-    tangent = by_name[block.tangent]
-    tangent_val = val_of(tangent)
+    loss = by_name[block.seed_node]
+    loss_val = val_of(loss)
     early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id, at_graph_end=block.at_graph_end)
     with graph.inserting_after(by_name[pieces[0][0]]):
-        # NB: the tangent's own shape: a loss accumulated into torch.zeros(1) is [1]
+        # NB: the loss seed's own shape: a loss accumulated into torch.zeros(1) is [1]
         seed_node = call_with_val(
-            graph, aten.full.default, (list(tangent_val.shape), float(seed)),
-            {"dtype": tangent_val.dtype, "layout": torch.strided,
-             "device": tangent_val.device, "pin_memory": False},
+            graph, aten.full.default, (list(loss_val.shape), float(seed)),
+            {"dtype": loss_val.dtype, "layout": torch.strided,
+             "device": loss_val.device, "pin_memory": False},
             fake_mode=fake_mode)
     _tag_forward(seed_node, early_meta)
-    env: dict[fx.Node, Any] = {tangent: seed_node,
+    env: dict[fx.Node, Any] = {loss: seed_node,
                                **{by_name[g]: ZERO for g in block.other_tangents}}
     last = seed_node
     for index, (ready, members) in enumerate(pieces):
@@ -171,7 +174,7 @@ def _pieces(comp, by_name: dict[str, fx.Node],
     """
     if not comp.pieces:
         return [(comp.ready_after, {by_name[n] for n in to_clone})]
-    shared = {by_name[n] for n in comp.seeds + comp.helpers}
+    shared = {by_name[n] for n in comp.seeds + comp.helpers if n in to_clone}
     taken: set[fx.Node] = set()
     pieces = []
     for ready, names in zip(comp.piece_ready, comp.pieces):
@@ -187,14 +190,29 @@ def _pieces(comp, by_name: dict[str, fx.Node],
     return pieces
 
 
-def _copy_late(graph: fx.Graph, comp, tangent: fx.Node, by_name: dict[str, fx.Node],
-               dependent: set[fx.Node], fake_mode: Any) -> dict[fx.Node, Any]:
+def _upstream_of(loss: fx.Node, seeds: set[str]) -> set[str]:
+    """The seeds that make the loss seed ``loss`` (it included; none when it is the tangent)."""
+    if is_tangent(loss):
+        return set()
+    found, stack = {loss.name}, list(loss.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node.name in seeds and node.name not in found:
+            found.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+def _copy_late(graph: fx.Graph, comp, loss: fx.Node, upstream: set[str],
+               by_name: dict[str, fx.Node], dependent: set[fx.Node],
+               fake_mode: Any) -> dict[fx.Node, Any]:
     """The backward's part of a block that reads other tangents besides its loss's: each
-    node that depends on the loss tangent ``T`` copied with ``T`` zero, right after it
+    node that depends on the loss seed (``T``, or the element of it the block reads)
+    copied with it zero, right after it
     (`copy_folding_zeros`); a node that does not is read as it is. Returns the original ->
     copy (or ``ZERO``) map."""
-    late: dict[fx.Node, Any] = {tangent: ZERO}
-    members = {by_name[n] for n in comp.seeds + comp.nodes}
+    late: dict[fx.Node, Any] = {loss: ZERO}
+    members = {by_name[n] for n in comp.seeds + comp.nodes if n not in upstream}
     for node in [n for n in graph.nodes if n in members]:  # graph order: topological
         if not any(a in late for a in node.all_input_nodes):
             continue
@@ -204,14 +222,14 @@ def _copy_late(graph: fx.Graph, comp, tangent: fx.Node, by_name: dict[str, fx.No
 
 
 def _returned_grad(graph: fx.Graph, block: Block, primal_index: int, early: Any, late: Any,
-                   tangent: fx.Node, seed: float, fake_mode: Any) -> Any:
+                   loss: fx.Node, seed: float, fake_mode: Any) -> Any:
     """What the joint graph returns as the gradient of primal ``primal_index``: the early
     gradient scaled, ``T / s * early`` (tagged ``GRAD_SCALE``), plus the backward's part
     ``late`` when the block reads other tangents; either alone where the other is zero."""
     if early is ZERO:
         return late
     set_meta(early, dataclasses.replace(get_meta(early), grad_of=primal_index))
-    scale = _loss_grad_scale(graph, tangent, val_of(early).dtype, seed, fake_mode)
+    scale = _loss_grad_scale(graph, loss, val_of(early).dtype, seed, fake_mode)
     scaled = call_with_val(graph, aten.mul.Tensor, (early, scale), fake_mode=fake_mode)
     set_meta(scaled, NodeMeta(Role.GRAD_SCALE, block=block.id, grad_of=primal_index))
     if late is ZERO:
@@ -230,7 +248,7 @@ def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
                     seed: float, fake_mode: Any) -> None:
     """The sums in the backward read ``T / s *`` each early part instead of the part (plus
     the backward's own part of it, ``late``, for a block that reads other tangents)."""
-    tangent = by_name[block.tangent]
+    loss = by_name[block.seed_node]
     for name in block.component.partials:
         original = by_name[name]
         users = [u for u in original.users if u.name not in cloned]
@@ -240,7 +258,7 @@ def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
         else:
             anchor = rest if isinstance(rest, fx.Node) and rest is not original else original
             with graph.inserting_before(anchor.next):
-                scale = _loss_grad_scale(graph, tangent, val_of(original).dtype, seed,
+                scale = _loss_grad_scale(graph, loss, val_of(original).dtype, seed,
                                          fake_mode)
                 replacement = call_with_val(graph, aten.mul.Tensor, (early, scale),
                                             fake_mode=fake_mode)

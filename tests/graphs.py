@@ -177,6 +177,20 @@ class OneElementLossChain(Chain):
         return loss
 
 
+class SlotLossChain(Chain):
+    """A Chain whose local losses are written into the slots of one tensor
+    (``losses[:, k] = local``, shape ``[1, K]``) that the model returns; the caller sums it."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = torch.zeros(1, len(self.stages), device=x.device)
+        h = x
+        for k, (stage, head) in enumerate(zip(self.stages, self.heads)):
+            h = stage(h)
+            losses[:, k] = F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return losses
+
+
 class LoggedChain(Chain):
     """A Chain that keeps each stage's mean activation on the module for logging: tensors with
     history that nobody differentiates, so each stage's backward reads their tangents too."""

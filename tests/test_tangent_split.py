@@ -24,6 +24,7 @@ from graphs import (
     LoggedChain,
     LossAndLocalLosses,
     OneElementLossChain,
+    SlotLossChain,
     Stages,
     assert_outputs_close,
     assert_same_grads,
@@ -72,6 +73,33 @@ def test_a_loss_of_shape_one_trains_as_eager(scale):
     # NB: bitwise at T == 1; at T == 3, T * grad(1) and grad(T) round differently
     check_parity(OneElementLossChain(3), chain_inputs, loss_of=lambda loss: scale * loss,
                  rtol=0 if scale == 1 else 1e-5, atol=0 if scale == 1 else 1e-6)
+
+
+# -- losses written into the slots of one tensor -------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_losses_written_into_slots_of_one_tensor_are_seeded_at_their_element(inner):
+    """``losses[:, k] = local`` then ``losses.sum().backward()``: the tangent is ``[1, K]``;
+    each block reads its element of it (select, copy and sum: what autograd makes of the
+    slot writes), one element, through which the early copy is seeded."""
+    joint = trace_joint(SlotLossChain(3), *chain_inputs(), inner=inner)
+    analysis = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                        num_fwd_outputs=joint.num_fwd_outputs).artifact
+    assert len(analysis.blocks) == 2
+    assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
+    for block in analysis.blocks:
+        assert block.loss_seed and block.loss_seed != block.tangent
+
+
+@pytest.mark.parametrize("weights", [None, (1.0, 3.0, 0.5)], ids=["sum", "weighted"])
+def test_losses_written_into_slots_train_as_eager(weights):
+    def loss_of(losses):
+        return losses.sum() if weights is None else (losses * torch.tensor([weights])).sum()
+
+    exact = weights is None
+    check_parity(SlotLossChain(3), chain_inputs, loss_of=loss_of,
+                 rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
 
 
 # -- other outputs' tangents --------------------------------------------------------------
