@@ -54,8 +54,9 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
     reads and that is returned once. Writing into it (the all-reduced values)
     or handing it to the optimizer as ``.grad`` then touches nothing anyone
     else reads. Other early gradients (a part of a gradient that a sum in the
-    backward completes, a gradient sharing memory) are reduced by DDP and
-    updated by the optimizer after the backward, as usual.
+    backward completes, a gradient sharing memory, a gradient of a block at
+    the graph's end, which a disarmed program leaves to the backward) are
+    reduced by DDP and updated by the optimizer after the backward, as usual.
     """
     # NB: defer_grad_scaling reads no setting: the plan asks its rule, with the defaults
     deferred = run_pass(DEFER_GRAD_SCALING, bw, EraseConfig())
@@ -78,6 +79,10 @@ def plan_early_grads(fw: fx.GraphModule, bw: fx.GraphModule,
         if returned[node] != 1 or not _owns_its_memory(node):
             continue
         meta = get_meta(node)
+        if meta is not None and meta.at_graph_end:
+            # NB: a block at the graph's end may be left to the backward (emit.graph_end):
+            # its gradients are not there during every forward
+            continue
         grads.append(EarlyGrad(entry.grad_index, index, entry.saved_index,
                                meta.block if meta is not None else None))
     return tuple(grads)

@@ -201,3 +201,15 @@ def test_with_inductor_the_blocks_at_the_graphs_end_equal_stock_inductor():
             module.zero_grad(set_to_none=True)
             run(*inputs).backward()
         assert_same_grads(stock, erased, rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_at_the_graphs_end_has_no_gradient_an_optimizer_may_update_early():
+    """A disarmed program leaves the block to the backward: its gradients are not there
+    during every forward (`erase_fx.early_grads`)."""
+    from erase_fx.early_grads import plan_early_grads
+
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"), graph_end=True)
+    at_end = {b.id for b in stages.analysis.blocks if b.at_graph_end}
+    grads = plan_early_grads(stages.fw, stages.bw, stages.joint.num_fwd_outputs)
+    assert at_end == {2} and grads
+    assert {g.block for g in grads} == {0, 1}

@@ -355,14 +355,16 @@ class StreamProgram(Boxed):
         Returns the events recorded, by step."""
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
-            if stash is not None and step.at_graph_end:
+            skipped = stash is not None and step.at_graph_end
+            if skipped:
                 stash.update((slot, env[slot]) for slot in step.inputs if env[slot] is not None)
             else:
                 self._launch(k, step, env, events, streams,
                              record=self._last_regular.get(step.stream) == k)
             for slot in step.frees:
                 env[slot] = None
-            if contexts is not None:
+            # NB: a hook after a step left to the backward reads values not made yet
+            if contexts is not None and not skipped:
                 self._complete(k, env, contexts, streams)
         return events
 
