@@ -419,13 +419,18 @@ class Dataflow:
                                             self.position[self.by_name[pair[0]]]))
 
     def _one_element_seed(self, comp: Component, tangent: fx.Node) -> fx.Node | None:
-        """The one-element value every path from ``tangent`` into ``comp`` passes through,
-        the closest to ``comp``: ``tangent`` itself if it has one element; for a loss
-        written into slots of a larger tensor (``losses[:, i] = local``), the element the
-        block's loss gradient is read from (``select(tangents_1, 1, i)`` and what
-        autograd makes of it). Only what follows it must be linear: the backward
-        computes it from the tangent as it is, and the early gradients are scaled by it.
-        None when no such value exists."""
+        """A one-element value every path from ``tangent`` into ``comp`` passes through:
+        ``tangent`` itself if it has one element; for a loss written into slots of a
+        larger tensor (``losses[:, i] = local``), the element the block's loss gradient is
+        read from (``select(tangents_1, 1, i)`` and what autograd makes of it). What makes
+        it runs in the backward as it is; what follows it must be linear in it. Of such
+        values, the nearest the tangent from which the rest is linear. None when none.
+
+        NB: the nearest the tangent, not the component: the early copy then computes from
+        the seed what the backward computes from the element (a mean's ``1 / n`` too), and
+        with the element equal to the seed (``losses.sum().backward()``) its gradients are
+        bitwise the backward's, not rounded once more by a scale.
+        """
         if is_one_element(tangent.meta.get("val")):
             return tangent
         seeds = {self.by_name[n] for n in comp.seeds}
@@ -436,13 +441,28 @@ class Dataflow:
             return None
         paths = self.edges.subgraph(reach)
         common = set.intersection(*({f} | nx.ancestors(paths, f) for f in frontier))
-        for seed in sorted(common, key=self.position.__getitem__, reverse=True):
+        for seed in sorted(common, key=self.position.__getitem__):
             if not is_one_element(seed.meta.get("val")) or self.tangents_of(seed) != {tangent}:
                 continue
             around = paths.subgraph(n for n in reach if n is not seed)
-            if not any(f is not seed and f in around and nx.has_path(around, tangent, f)
-                       for f in frontier):
+            if any(f is not seed and f in around and nx.has_path(around, tangent, f)
+                   for f in frontier):
+                continue
+            if self.linearity_after(comp, seed.name) is None:
                 return seed
+        return None
+
+    def linearity_after(self, comp: Component, seed: str) -> tuple[str, str] | None:
+        """Why ``comp``'s backward is not linear in the tangents once the loss seed ``seed``
+        is given, as ``(node, reason)``; None when it is."""
+        upstream = self.upstream_of_seed(comp, seed)
+        dependent = {self.by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
+        for name in comp.seeds + comp.nodes:
+            if name in upstream:
+                continue  # NB: computed from the tangent as it is: need not be linear
+            why = linearity_violation(self.by_name[name], dependent)
+            if why is not None:
+                return name, why
         return None
 
     def tangents_of(self, node: fx.Node) -> set[fx.Node]:
@@ -609,18 +629,13 @@ def _reject_reason(
             f"only of larger outputs ({shapes})",
             comp.tangents[0],
         )
-    upstream = facts.upstream_of_seed(comp, loss[1])
-    dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
     for name in comp.seeds + comp.nodes + comp.helpers:
         node = by_name[name]
         if _mutates(node):
             return RejectReason.MUTATION, f"{node.target} mutates its input", name
-    for name in comp.seeds + comp.nodes:
-        if name in upstream:
-            continue  # NB: computed from the tangent as it is: need not be linear
-        why = linearity_violation(by_name[name], dependent)
-        if why is not None:
-            return RejectReason.NOT_LINEAR, why, name
+    violation = facts.linearity_after(comp, loss[1])
+    if violation is not None:
+        return RejectReason.NOT_LINEAR, violation[1], violation[0]
     return None, "", None
 
 

@@ -92,14 +92,33 @@ def test_losses_written_into_slots_of_one_tensor_are_seeded_at_their_element(inn
         assert block.loss_seed and block.loss_seed != block.tangent
 
 
+class SlotMeanOfTerms(SlotLossChain):
+    """Each slot holds the mean of several loss terms on the block's output (InfoNCE's
+    prediction steps): the block's seed is the slot's element, not the element divided by
+    the number of terms (scaling by that after would round the gradients once more)."""
+
+    def forward(self, x, labels):
+        losses = torch.zeros(1, len(self.stages))
+        h = x
+        for k, (stage, head) in enumerate(zip(self.stages, self.heads)):
+            h = stage(h)
+            terms = [F.cross_entropy(head(torch.roll(h, shift, 0)), labels) for shift in range(3)]
+            losses[:, k] = sum(terms) / len(terms)
+            h = h.detach()
+        return losses
+
+
+@pytest.mark.parametrize("model", [SlotLossChain, SlotMeanOfTerms], ids=["slot", "mean-of-terms"])
 @pytest.mark.parametrize("weights", [None, (1.0, 3.0, 0.5)], ids=["sum", "weighted"])
-def test_losses_written_into_slots_train_as_eager(weights):
+def test_losses_written_into_slots_train_as_eager(model, weights):
     def loss_of(losses):
         return losses.sum() if weights is None else (losses * torch.tensor([weights])).sum()
 
     exact = weights is None
-    check_parity(SlotLossChain(3), chain_inputs, loss_of=loss_of,
-                 rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+    with erase_fx.collect_reports() as reports:
+        check_parity(model(3), chain_inputs, loss_of=loss_of,
+                     rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+    assert [len(r.blocks) for r in reports] == [2]
 
 
 # -- other outputs' tangents --------------------------------------------------------------
