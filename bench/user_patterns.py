@@ -797,8 +797,8 @@ def _bench_token_batch(cfg: PatternConfig, device: torch.device,
                           generator=generator),)
 
 
-_BENCH_INPUTS: dict[str, Callable[[PatternConfig, torch.device, torch.Generator | None], Batch]]
-_BENCH_INPUTS = {
+_Sample = Callable[[PatternConfig, torch.device, torch.Generator | None], Batch]
+_BENCH_INPUTS: dict[str, _Sample] = {
     "ff_accumulator": _bench_ff_batch,
     "ff_one_graph": _bench_ff_batch,
     "vgg_local_loss": _bench_image_batch,
