@@ -262,6 +262,20 @@
 #                                      reduce-overhead, erase+graphs, inductor+step, erase+step;
 #                                      needs lightning and torchvision on the image) (~8 min)
 #   bash bench/device_run.sh frameworks-b  the same on ctr:1024:512:1024:6 (~6 min)
+#   bash bench/device_run.sh patterns-a  issue 36's user patterns (bench.user_patterns: Forward-
+#                                      Forward nets, a local-loss VGG, forward hooks, a tensor
+#                                      kept on the module, a data-dependent op between blocks, a
+#                                      transformers GPT-2 with probes) as bench.run configs at
+#                                      GPU sizes: erase+step against inductor+step on each, then
+#                                      erase+graphs against reduce-overhead as the time left
+#                                      allows (~9.5 min, not yet run; the GPT-2 is skipped, with a
+#                                      line, where the image has no transformers)
+#   bash bench/device_run.sh patterns-b  the drop-in pair alone (erase+graphs, reduce-overhead) on
+#                                      the same configs, for those patterns-a's time left out
+#                                      (~8 min, estimated)
+#     patterns-a and patterns-b take --smoke: the same part on the CPU at tiny sizes, aot_eager
+#     inside, its table in /tmp/erase_fx_device_run/smoke (never bench/results); exits non-zero
+#     if a row failed (~4 min on 2 cores): run it before a GPU call
 # Each part updates the current tables in bench/results/ (bench/results/README.md: step.json
 # and step.md for bench.run's rows, check_*.md, memory.md, ...; paper/). Where $OUT is set (the
 # device machine: what is written under it comes back) the tables a part changed are copied to
@@ -283,7 +297,18 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
+  patterns-a|patterns-b) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
+esac
+SMOKE=
+case "${2:-}" in
+  "") ;;
+  --smoke)
+    case "$1" in
+      patterns-a|patterns-b) SMOKE=1 ;;
+      *) echo "device_run.sh: --smoke applies to patterns-a and patterns-b" >&2; exit 2 ;;
+    esac ;;
+  *) echo "device_run.sh: unknown option ${2}" >&2; exit 2 ;;
 esac
 ART=${OUT:-/tmp/erase_fx_device_run}
 mkdir -p "$ART"
@@ -299,7 +324,12 @@ copy_back() {
 trap copy_back EXIT
 export PYTHONUNBUFFERED=1
 # NB: the GPU image has torch and the other dependencies; only erase_fx itself is installed.
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+# A --smoke run takes this checkout's .venv (make setup) where there is one.
+if [ -n "$SMOKE" ]; then
+  if [ -x .venv/bin/python ]; then PATH="$PWD/.venv/bin:$PATH"; fi
+else
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+fi
 SMALL=ctr:1024:512:1024:6,mlp:512:1024:2048:6,mlp:128:2000:2000:4
 # NB: the variants of the first benchmark (bench-a, bench-b); the step API has its own part
 CLASSIC=eager,paper,inductor,reduce-overhead,inductor+graph,erase,erase+graphs,erase+step-graph
@@ -317,6 +347,32 @@ ISSUE13=inductor+step,erase+step,reduce-overhead,erase+graphs,erase+step/one-str
 ONEGRAPH=inductor+step,erase+step,erase+step/no-recompute,erase+step/streams=0
 # NB: 2 side streams with the stages on the main stream, against the default and one side stream
 FEWER=inductor+step,erase+step,erase+step/streams=2/stages-on-main,erase+step/streams=1
+# NB: issue 36's user patterns at GPU sizes (bench.user_patterns.PATTERN_CONFIGS), the ones
+# compile_step captures first: the last two cannot be captured (a .item() in the forward, a
+# nonzero between blocks: they run as written, the row says why), and run last, so that a
+# failed capture cannot cost the others' rows
+PATTERNS=pattern-ff_one_graph:1024:2048:4,pattern-hooked_activations:1024:2048:4
+PATTERNS+=,pattern-logged_on_module:1024:2048:4,pattern-vgg_local_loss:256:64:4
+PATTERNS+=,pattern-gpt2_probes:16:768:6,pattern-data_dependent_between:1024:2048:4
+PATTERNS+=,pattern-ff_accumulator:1024:2048:4
+# NB: the same patterns at tiny sizes, for --smoke
+PATTERNS_SMOKE=pattern-ff_one_graph:4:32:2,pattern-hooked_activations:4:32:2
+PATTERNS_SMOKE+=,pattern-logged_on_module:4:32:2,pattern-vgg_local_loss:4:8:2
+PATTERNS_SMOKE+=,pattern-gpt2_probes:2:32:2,pattern-data_dependent_between:4:32:2
+PATTERNS_SMOKE+=,pattern-ff_accumulator:4:32:2
+# patterns VARIANTS TIMEOUT BUDGET: bench.run on the patterns (rows into step.json); with
+# --smoke, on the tiny ones on the CPU (bench.run --smoke: a failed row fails the part)
+patterns() {
+  local variants=$1 limit=$2 budget=$3
+  if [ -n "$SMOKE" ]; then
+    python3 -m bench.run --smoke --out "$ART/smoke/step.json" --streams '' --sweep-configs '' \
+      --trials 2 --steps-per-trial 1 --configs "$PATTERNS_SMOKE" --variants "$variants" 2>&1 \
+      | grep -v '^erase_fx: graph'
+    return
+  fi
+  timeout "$limit" python3 -m bench.run --budget-s "$budget" --streams '' --sweep-configs '' \
+    --configs "$PATTERNS" --variants "$variants" 2>&1 | grep -v '^erase_fx: graph'
+}
 # run NAME CONFIGS VARIANTS [more bench.run flags]: one bench.run part (rows into step.json)
 run() {
   local name=$1 configs=$2 variants=$3
@@ -807,6 +863,19 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
   frameworks-b)
     timeout 570 python3 -m bench.frameworks --budget-s 450 --configs ctr:1024:512:1024:6 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  patterns-a)
+    # the judged pair on every pattern first; then the drop-in pair in the time left (SECONDS:
+    # since this script started), which patterns-b runs alone
+    if [ -n "$SMOKE" ]; then patterns inductor+step,erase+step 0 0
+    else patterns inductor+step,erase+step 520 430 || true; fi
+    left=$((570 - SECONDS))
+    if [ -n "$SMOKE" ]; then patterns reduce-overhead,erase+graphs 0 0
+    elif [ "$left" -ge 100 ]; then patterns reduce-overhead,erase+graphs "$left" $((left - 90))
+    else echo "patterns-a: ${left} s left, too little for erase+graphs against reduce-overhead:" \
+      "bash bench/device_run.sh patterns-b runs them"; fi ;;
+  patterns-b)
+    if [ -n "$SMOKE" ]; then patterns reduce-overhead,erase+graphs 0 0
+    else patterns reduce-overhead,erase+graphs 560 460; fi ;;
   paper)
     timeout 230 python3 -m bench.paper.digits || true
     timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa || true

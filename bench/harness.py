@@ -333,19 +333,29 @@ def compile_erase(model: nn.Module, **options):
     return torch.compile(model, backend="erase", options={"on_error": "raise", **options})
 
 
-def compile_forward(variant: Variant, model: nn.Module):
-    """The compiled (or eager) model a variant's training step calls."""
+def compile_forward(variant: Variant, model: nn.Module, inner: str | None = None):
+    """The compiled (or eager) model a variant's training step calls.
+
+    ``inner="aot_eager"`` (`bench.run`'s ``--smoke``): no code generation, so that every
+    variant runs on a CPU in seconds: stock variants compile with ``backend="aot_eager"``
+    (``reduce-overhead``'s mode dropped), erase variants with ``inner="aot_eager"``.
+    """
     if variant.compiler == "eager":
         return model
     if variant.compiler == "paper":
         from bench.models import PaperSchedule
 
         return PaperSchedule(model)
+    if inner is not None and variant.compiler != "erase":
+        return torch.compile(model, backend=inner)
     if variant.compiler == "inductor":
         return torch.compile(model)
     if variant.compiler == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    return compile_erase(model, **variant.erase_options)
+    options = variant.erase_options
+    if inner is not None:
+        options["inner"] = inner
+    return compile_erase(model, **options)
 
 
 def make_optimizer(variant: Variant, model: nn.Module) -> torch.optim.Optimizer | None:
@@ -438,15 +448,22 @@ class BuiltStep:
 
 
 def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.Tensor], *,
-               after_first: Callable[[], None] = lambda: None) -> BuiltStep:
+               after_first: Callable[[], None] = lambda: None,
+               loss_of: Callable[[Any], torch.Tensor] | None = None,
+               inner: str | None = None) -> BuiltStep:
     """Build ``variant``'s step of ``model`` on ``inputs``; run its first (compiling) step.
 
     ``after_first`` runs right after that first step, while ``.grad`` holds
     its gradients (`bench.run` checks them there and switches tf32 on);
-    hand captures take their graph after it.
+    hand captures take their graph after it. ``loss_of``: the loss is
+    ``loss_of(model(*inputs))``, applied outside the compiled model, as the
+    users of a `bench.user_patterns` pattern write it (None: the model's
+    output is the loss). ``inner``: `compile_forward`'s.
     """
     variant = Variant.parse(variant) if isinstance(variant, str) else variant
-    fn = compile_forward(variant, model)
+    fn = compile_forward(variant, model, inner)
+    if loss_of is not None:
+        fn = _with_loss(fn, loss_of)
     optimizer = make_optimizer(variant, model)
     one_step = train_step(model, fn, optimizer)
     if variant.hand_capture:
@@ -467,6 +484,15 @@ def build_step(variant: Variant | str, model: nn.Module, inputs: Sequence[torch.
     one_step(*inputs)
     after_first()
     return BuiltStep(lambda: one_step(*inputs), optimizer)
+
+
+def _with_loss(forward: Callable[..., Any], loss_of: Callable[[Any], torch.Tensor]):
+    """``forward`` followed by ``loss_of``: the loss of a model whose output is not its loss."""
+
+    def loss(*inputs):
+        return loss_of(forward(*inputs))
+
+    return loss
 
 
 # -- timing and memory (CUDA) -------------------------------------------------------

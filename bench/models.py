@@ -27,8 +27,11 @@ detached pre-LN transformer blocks (causal SDPA attention, MLP), each with
 a local LM head (LayerNorm, linear to a vocabulary of 8192, cross-entropy on
 the next tokens); d/64 heads; bf16 autocast; ``gpt-soft:B:d:T:K`` learns
 label-smoothed soft targets made in the forward instead. ``tv-<name>:B:image``: the
-torchvision models of `bench.vision`. `parse_config` reads every kind, and
-`build_config` gives a config's model and batch.
+torchvision models of `bench.vision`. ``pattern-<name>:B[:width[:depth]]``: the
+patterns of user code in `bench.user_patterns` at bench sizes, each with its own
+``loss_of`` (`bench.user_patterns.PatternConfig`). `parse_config` reads every kind,
+`build_config` gives a config's model (whose output is the loss) and batch, and
+`build_with_loss` the model, the batch and the pattern's ``loss_of`` (bench.run's).
 """
 from __future__ import annotations
 
@@ -382,7 +385,8 @@ def gpt_flops(cfg: GPTConfig) -> int:
 
 
 def parse_config(text: str):
-    """A `ChainConfig`, `GPTConfig` or `bench.vision.VisionConfig` from its text."""
+    """A `ChainConfig`, `GPTConfig`, `bench.vision.VisionConfig` or
+    `bench.user_patterns.PatternConfig` from its text."""
     kind = text.split(":")[0]
     if kind in ("gpt", "gpt-soft"):
         return GPTConfig.parse(text)
@@ -390,25 +394,66 @@ def parse_config(text: str):
         from bench.vision import VisionConfig
 
         return VisionConfig.parse(text)
+    if kind.startswith("pattern-"):
+        from bench.user_patterns import PatternConfig
+
+        return PatternConfig.parse(text)
     if kind in KINDS:
         return ChainConfig.parse(text)
+    from bench.user_patterns import BENCH_SIZES
     from bench.vision import VISION_NAMES
 
     raise ValueError(f"config {text!r}: kind {kind!r} is not one of {', '.join(KINDS)} "
                      f"(kind:B:d:h:K), gpt or gpt-soft (gpt:B:d:T:K), "
                      f"{', '.join(VISION_NAMES)} "
-                     f"(name:B:image)")
+                     f"(name:B:image), "
+                     f"{', '.join('pattern-' + name for name in BENCH_SIZES)} "
+                     f"(pattern-<name>:B[:width[:depth]])")
+
+
+class WithLoss(nn.Module):
+    """``model`` whose output ``loss_of`` maps to the loss, as a module that returns the loss
+    (for tools that call ``model(*inputs).backward()``)."""
+
+    def __init__(self, model: nn.Module, loss_of):
+        super().__init__()
+        self.model = model
+        self.loss_of = loss_of
+
+    def forward(self, *inputs):
+        return self.loss_of(self.model(*inputs))
 
 
 def build_config(cfg, device: torch.device, generator: torch.Generator | None = None):
-    """``(model, inputs)`` of any config: the model on ``device`` in train mode, one batch."""
+    """``(model, inputs)`` of any config: the model on ``device`` in train mode, one batch;
+    ``model(*inputs)`` is the loss (a pattern whose output is not, wrapped in `WithLoss`).
+    bench.run takes `build_with_loss` instead, and applies the loss outside the compiled
+    model, as the pattern's users do."""
+    model, inputs, loss_of = build_with_loss(cfg, device, generator)
+    if loss_of is None:
+        return model, inputs
+    from bench.user_patterns import own_loss
+
+    return (model if loss_of is own_loss else WithLoss(model, loss_of)), inputs
+
+
+def build_with_loss(cfg, device: torch.device, generator: torch.Generator | None = None):
+    """``(model, inputs, loss_of)`` of any config: ``loss_of`` maps ``model(*inputs)`` to the
+    loss; None for every config but the patterns' (their models return the loss). A pattern
+    config's is the pattern's own (today `bench.user_patterns.own_loss`, the identity, for
+    each: bench.run applies it all the same)."""
     if isinstance(cfg, ChainConfig):
-        return DetachedChain(cfg).to(device), make_inputs(cfg, device, generator)
+        return DetachedChain(cfg).to(device), make_inputs(cfg, device, generator), None
     if isinstance(cfg, GPTConfig):
-        return GPTChain(cfg).to(device), gpt_inputs(cfg, device, generator)
+        return GPTChain(cfg).to(device), gpt_inputs(cfg, device, generator), None
+    from bench.user_patterns import PatternConfig, build_pattern
+
+    if isinstance(cfg, PatternConfig):
+        return build_pattern(cfg, device, generator)
     from bench.vision import build_vision
 
-    return build_vision(cfg.name, cfg.batch, cfg.image, device=device, generator=generator)
+    return (*build_vision(cfg.name, cfg.batch, cfg.image, device=device, generator=generator),
+            None)
 
 
 def config_flops(cfg) -> int | None:

@@ -35,7 +35,14 @@ Configs (`bench.models.parse_config`): detached chains ``kind:B:d:h:K``
 (`GPT_CONFIGS`; ``gpt-soft:B:d:T:K`` on label-smoothed targets made in the
 forward), torchvision models ``tv-<name>:B:image`` (`VISION_CONFIGS`,
 `bench.vision`; skipped, with a line saying so, where torchvision is not
-importable).
+importable), and user code's patterns ``pattern-<name>:B[:width[:depth]]``
+(`PATTERN_CONFIGS`, `bench.user_patterns.PatternConfig`: a Forward-Forward
+net, a local-loss VGG, forward hooks, a tensor kept on the module, a
+data-dependent op between blocks, a ``transformers`` GPT-2 with probes,
+skipped with a line where transformers is not importable). A pattern's
+loss is its own ``loss_of`` applied to the model's output, outside the
+compiled model, in every variant's step (`bench.harness.build_step`); every
+other config's model returns its loss.
 
 Each row: the median, min and max over trials of the mean step time of
 ``--steps-per-trial`` steps (CUDA events, after warm-up and capture), memory
@@ -63,6 +70,16 @@ baselines), and the targets (`TIME_TARGETS`, `memory_targets`) are judged
 on those (erase against stock: at most 1.00x where it scheduled early
 blocks, 1.02x where it has none). The table is rewritten after every row.
 Prints a progress line per variant. Needs a GPU.
+
+``--smoke``: the same loop on the CPU, to check a part of ``bench/device_run.sh``
+end to end before a GPU runs it (``bash bench/device_run.sh <part> --smoke``):
+every variant compiled without code generation (`bench.harness.compile_forward`'s
+``aot_eager``), steps timed by the CPU clock, no memory figures, nothing
+captured; it writes only a table ``--out`` names outside ``bench/results``, and
+exits with status 1 if a row failed.
+``--explain``: no run; for each config, built on the CPU at its size, what
+`erase_fx.explain` finds: the graphs, the early blocks, the share of the
+backward's FLOPs they run early, and why the rest stays in the backward.
 """
 from __future__ import annotations
 
@@ -71,6 +88,7 @@ import copy
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -82,8 +100,9 @@ import erase_fx
 from erase_fx.early_update import describe_refusals
 from bench.harness import (WARMUP_STEPS, StepMemory, Variant, allocator_backend, build_step,
                            canonical, grads_of, judged_erase, max_rel_err, set_tf32, time_steps)
-from bench.models import build_config, config_flops, is_random, parse_config, takes_paper_scheme
+from bench.models import build_with_loss, config_flops, is_random, parse_config, takes_paper_scheme
 from bench.tables import RESULTS, Run, merge_rows, numbered, this_run
+from bench.user_patterns import PATTERN_CONFIGS, PatternConfig, pattern_model
 from bench.vision import VISION_CONFIGS
 
 CONFIGS = ("ctr:1024:512:1024:6", "mlp:512:1024:2048:6", "mlp:128:2000:2000:4",
@@ -101,15 +120,20 @@ ONE_STREAM_FORMS = ("erase+graphs", "erase+step-graph", "erase+step")
 TABLE = RESULTS / "step.json"
 
 
-def measure(cfg, name: str, base, inputs, reference, args) -> dict:
-    """One row: build the variant, check its first step, warm it up, time it, weigh it."""
+def measure(cfg, name: str, new_model, inputs, reference, args, loss_of=None) -> dict:
+    """One row: build the variant, check its first step, warm it up, time it, weigh it.
+
+    ``new_model()``: a fresh copy of the config's model; ``loss_of``: the
+    config's (`bench.models.build_with_loss`), applied in the step.
+    """
     variant = Variant.parse(name)
+    smoke = getattr(args, "smoke", False)
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
-    memory = StepMemory()
+    memory = NoMemory() if smoke else StepMemory()
     memory.start()
-    model = copy.deepcopy(base)
+    model = new_model()
     errors = []
 
     def after_first():
@@ -120,12 +144,15 @@ def measure(cfg, name: str, base, inputs, reference, args) -> dict:
     set_tf32(False)
     with variant.patched():
         with erase_fx.collect_reports() as reports:
-            built = build_step(variant, model, inputs, after_first=after_first)
+            built = build_step(variant, model, inputs, after_first=after_first,
+                               loss_of=loss_of, inner="aot_eager" if smoke else None)
             built.warm_up(WARMUP_STEPS)
-            torch.cuda.synchronize()
+            if not smoke:
+                torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         memory.before_timing()
-        median, low, high = time_steps(built.step, args.trials, args.steps_per_trial)
+        timer = cpu_time_steps if smoke else time_steps
+        median, low, high = timer(built.step, args.trials, args.steps_per_trial)
         weighed = memory.finish(model, built.optimizer)
     flops = config_flops(cfg)
     row = {
@@ -144,6 +171,34 @@ def measure(cfg, name: str, base, inputs, reference, args) -> dict:
           f"step {_mib(row['mem_bytes'])} MiB (kept {_mib(row['kept_bytes'])}), "
           f"compile {compile_s:5.1f} s, grad err {errors[0]:.1e}{_notes(row)}", flush=True)
     return row
+
+
+class NoMemory:
+    """`StepMemory`'s calls for ``--smoke`` on the CPU: no memory figure (None each)."""
+
+    def start(self) -> None:
+        pass
+
+    def before_timing(self) -> None:
+        pass
+
+    def finish(self, model, optimizer) -> dict:
+        return dict.fromkeys(("peak_mem_bytes", "step_peak_bytes", "kept_bytes", "mem_bytes",
+                              "state_bytes"))
+
+    def workspaces(self) -> None:
+        return None
+
+
+def cpu_time_steps(step, trials: int, steps_per_trial: int):
+    """`time_steps` by the CPU clock (``--smoke``): median, min and max of the mean (ms)."""
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(steps_per_trial):
+            step()
+        times.append((time.perf_counter() - start) * 1e3 / steps_per_trial)
+    return statistics.median(times), min(times), max(times)
 
 
 def early_info(variant: Variant, reports) -> dict:
@@ -166,16 +221,28 @@ def early_info(variant: Variant, reports) -> dict:
 
 def run_config(cfg, variants, args, out_of_time=lambda: False,
                on_row=lambda rows: None) -> list[dict]:
-    device = torch.device("cuda")
+    device = torch.device("cpu" if getattr(args, "smoke", False) else "cuda")
     torch.manual_seed(0)
     try:
-        base, inputs = build_config(cfg, device, torch.Generator(device=device).manual_seed(0))
+        base, inputs, loss_of = build_with_loss(
+            cfg, device, torch.Generator(device=device).manual_seed(0))
     except ImportError as error:
         print(f"  {cfg}: skipped, {error}", flush=True)
         return []
+
+    def new_model():
+        if isinstance(cfg, PatternConfig):
+            # NB: a pattern's model is built again (the same parameters), not copied: a deep
+            # copy shares what the model's forward hooks close over (hooked_activations'
+            # dict), so every copy's forward would write the first model's dict, and the
+            # next copy fail on the non-leaf tensors it then holds
+            return pattern_model(cfg, device)
+        return copy.deepcopy(base)
+
     set_tf32(False)
-    reference_model = copy.deepcopy(base)
-    reference_model(*inputs).backward()
+    reference_model = new_model()
+    output = reference_model(*inputs)
+    (output if loss_of is None else loss_of(output)).backward()
     reference = grads_of(reference_model)
     del reference_model
     rows = []
@@ -188,7 +255,7 @@ def run_config(cfg, variants, args, out_of_time=lambda: False,
                   flush=True)
             continue
         try:
-            rows.append(measure(cfg, name, base, inputs, reference, args))
+            rows.append(measure(cfg, name, new_model, inputs, reference, args, loss_of))
         except Exception as error:  # NB: one failing variant must not lose the others' rows
             message = f"{type(error).__name__}: {error}".splitlines()[0][:400]
             print(f"  {cfg} {name}: FAILED {message}", flush=True)
@@ -585,7 +652,9 @@ def main(argv=None) -> int:
                              "towers); gpt:B:d:T:K (detached transformer blocks, local LM "
                              "heads; gpt-soft: on label-smoothed targets made in the "
                              "forward); tv-<name>:B:image (torchvision models: "
-                             f"{', '.join(VISION_CONFIGS)}). Default: the five chains")
+                             f"{', '.join(VISION_CONFIGS)}); pattern-<name>:B[:width[:depth]] "
+                             "(user code's patterns, bench.user_patterns: "
+                             f"{', '.join(PATTERN_CONFIGS)}). Default: the five chains")
     parser.add_argument("--variants", default=",".join((*VARIANTS, *ADAM_VARIANTS)),
                         help="comma-separated variant names (bench.harness's grammar: "
                              "compiler[+capture][+adam][/control])")
@@ -608,6 +677,14 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="no run: take the rows of these results files (tables, or one "
                         "run's file), in order, into --out as if each had just run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="on the CPU, every variant compiled with aot_eager inside, timed "
+                        "by the CPU clock, no memory figures: a check that a run goes through "
+                        "(use tiny configs; exit status 1 if a row failed); --out must name a "
+                        "table outside bench/results")
+    parser.add_argument("--explain", action="store_true",
+                        help="no run: the early blocks erase_fx.explain finds in each config, "
+                        "built on the CPU at its size, and why the rest stays in the backward")
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
@@ -619,13 +696,21 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"bench.run: {error}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench.run needs a CUDA GPU", file=sys.stderr)
+    if args.explain:
+        return explain_configs(configs)
+    if args.smoke and args.out.resolve().is_relative_to(RESULTS.resolve()):
+        print(f"bench.run: --smoke writes no table in {RESULTS}: name another with --out",
+              file=sys.stderr)
+        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench.run needs a CUDA GPU (--smoke: a check on the CPU)", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
     run = this_run("bench.run", argv, machine_text="")
-    meta = {"date": run.date, "command": run.command, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "allocator": allocator_backend(),
+    meta = {"date": run.date, "command": run.command,
+            "gpu": "CPU (--smoke)" if args.smoke else torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "allocator": "native" if args.smoke else allocator_backend(),
             "trials": args.trials, "steps_per_trial": args.steps_per_trial}
     print(f"torch {meta['torch']} on {meta['gpu']}, CUDA allocator {meta['allocator']}",
           flush=True)
@@ -646,7 +731,59 @@ def main(argv=None) -> int:
                                args.out, merge_table(table, stamped(done + new, meta)),
                                quiet=True))
     write(args.out, merge_table(table, stamped(rows, meta)))
+    failed = [f"{r['config']} {r['variant']}" for r in rows if "error" in r]
+    if args.smoke and failed:
+        print(f"bench.run --smoke: {len(failed)} row(s) failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def explain_configs(configs) -> int:
+    """``--explain``: for each config, built on the CPU at its size, what `erase_fx.explain`
+    finds (aot_eager inside: the blocks found do not depend on the code generated): every
+    graph's report, then a line per config."""
+    from erase_fx.report_text import format_reports, format_table
+
+    lines, details = [], []
+    for cfg in configs:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        try:
+            model, inputs, _ = build_with_loss(cfg, torch.device("cpu"),
+                                               torch.Generator().manual_seed(0))
+            reports = erase_fx.explain(model, *inputs)
+        except Exception as error:  # noqa: BLE001 - one config's failure is its line
+            message = f"{type(error).__name__}: {error}".splitlines()[0][:160]
+            lines.append([str(cfg), "-", "-", "-", f"not explained: {message}"])
+            print(f"{cfg}: {lines[-1][-1]}", file=sys.stderr, flush=True)
+            continue
+        summary = explained(reports)
+        lines.append([str(cfg), summary["graphs"], summary["early_blocks"],
+                      f"{summary['early_share']:.0%}", summary["left"] or "-"])
+        details += [f"== {cfg}", format_reports(reports), ""]
+        print(f"{cfg}: {summary['early_blocks']} early block(s) in {summary['graphs']} "
+              "graph(s)", file=sys.stderr, flush=True)
+    print("\n".join(details))
+    print("\n".join(format_table(("config", "graphs", "early blocks", "early share",
+                                  "left in the backward (reason x components)"), lines)))
+    return 0
+
+
+def explained(reports) -> dict:
+    """What a config's reports say: graphs, early blocks, the early share of the backward's
+    FLOPs, and the reasons (with counts) of what stays in the backward."""
+    backward = sum(r.backward_flops for r in reports)
+    reasons: dict[str, int] = {}
+    for report in reports:
+        for rejected in report.rejected:
+            reasons[rejected.reason] = reasons.get(rejected.reason, 0) + 1
+        if report.fallback_reason and report.fallback_reason != "no early block":
+            key = f"stock path: {report.fallback_reason[:80]}"
+            reasons[key] = reasons.get(key, 0) + 1
+    return {"graphs": len(reports), "early_blocks": sum(len(r.blocks) for r in reports),
+            "early_share": sum(r.early_flops for r in reports) / backward if backward else 0.0,
+            "left": ", ".join(f"{reason} x{n}" for reason, n in sorted(reasons.items()))}
 
 
 def stamped(rows: list[dict], meta: dict) -> list[dict]:
@@ -668,7 +805,7 @@ def merge_table(table: list[dict], rows: list[dict]) -> list[dict]:
 
 #: Config families in the table's order; the configs of `CONFIGS` and `GPT_CONFIGS` first.
 FAMILIES = ("ctr", "mlp", "ctr-towers", "mlp-towers", "ctr-towers-top", "mlp-towers-top",
-            "gpt", "gpt-soft", "tv")
+            "gpt", "gpt-soft", "tv", "pattern")
 
 
 def order(row: dict) -> tuple:
@@ -678,6 +815,7 @@ def order(row: dict) -> tuple:
     known = (*CONFIGS, *GPT_CONFIGS)
     family = config.split(":")[0]
     family = "tv" if family.startswith("tv-") else family
+    family = "pattern" if family.startswith("pattern-") else family
     where = (known.index(config),) if config in known else (
         len(known), FAMILIES.index(family) if family in FAMILIES else len(FAMILIES), config)
     form, _, control = variant.partition("/")

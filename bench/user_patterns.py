@@ -36,6 +36,12 @@ early, why the rest stays in the backward, whether the gradients equal eager's
 ``--inductor`` how far erase with Inductor inside is from eager against stock
 Inductor's own distance. Needs ``lightning`` and ``transformers`` (the ``test``
 extra); CPU only.
+
+For the GPU, `PatternConfig` (``pattern-<name>:B[:width[:depth]]``) and
+`build_pattern` give each pattern but Lightning's (``bench.frameworks`` times
+Lightning) at a size where a step takes milliseconds on an H200
+(`BENCH_SIZES`, `PATTERN_CONFIGS`): `bench.run` configs, timed with each
+pattern's own ``loss_of`` (``bash bench/device_run.sh patterns-a``).
 """
 from __future__ import annotations
 
@@ -440,13 +446,14 @@ class GPT2WithProbes(nn.Module):
     """A GPT-2 language model and a linear probe per layer that reads the layer's hidden
     states detached and predicts the current token; the probes' losses add to the LM's."""
 
-    def __init__(self, layers: int = 2, width: int = 32, vocab: int = 64, context: int = 16):
+    def __init__(self, layers: int = 2, width: int = 32, vocab: int = 64, context: int = 16,
+                 heads: int = 2):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
         # NB: no dropout, so eager, stock Inductor and erase compare on rounding alone
         config = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=width, n_layer=layers,
-                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=vocab - 1, eos_token_id=vocab - 1)
         self.gpt = GPT2LMHeadModel(config)
         self.probes = nn.ModuleList(nn.Linear(width, vocab) for _ in range(layers))
@@ -619,6 +626,187 @@ def within_stock(erase: float, stock: float) -> bool:
     """erase's distance from eager against stock Inductor's: twice it plus 1e-6, the bound
     `bench.check_models` holds erase to (Inductor's segments fuse and round differently)."""
     return erase <= 2 * stock + 1e-6
+
+
+# -- bench configs: each pattern at a GPU's size (bench.run) --------------------------
+
+#: Inputs of the vector patterns at bench size: 784 features (a flattened 28 x 28 image), and
+#: the classes of every pattern's heads but the GPT-2's.
+BENCH_FEATURES, BENCH_CLASSES = 784, 10
+#: The VGG's images (3 x 64 x 64); the GPT-2's sequences (256 tokens of a vocabulary of 8192).
+BENCH_IMAGE, BENCH_CONTEXT, BENCH_VOCAB = 64, 256, 8192
+#: pattern -> its bench config's default (batch, width, depth) (`PatternConfig`): a step of
+#: milliseconds on an H200.
+BENCH_SIZES = {
+    "ff_accumulator": (1024, 2048, 4),
+    "ff_one_graph": (1024, 2048, 4),
+    "vgg_local_loss": (256, 64, 4),
+    "hooked_activations": (1024, 2048, 4),
+    "logged_on_module": (1024, 2048, 4),
+    "data_dependent_between": (1024, 2048, 4),
+    "gpt2_probes": (16, 768, 6),
+}
+#: Patterns with no bench config, and why.
+NOT_BENCHED = {"lightning_module": "bench.frameworks times Lightning's Trainer "
+                                   "(python -m bench.frameworks)"}
+#: The bench configs at their default sizes, in `BENCH_SIZES` order.
+PATTERN_CONFIGS = tuple(f"pattern-{name}:{b}:{w}:{d}" for name, (b, w, d) in BENCH_SIZES.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternConfig:
+    """``pattern-<name>:B[:width[:depth]]``: a pattern of `PATTERNS` at a bench size.
+
+    Omitted numbers take the pattern's `BENCH_SIZES`; the config's text is always the
+    full form (``pattern-ff_one_graph:1024`` is ``pattern-ff_one_graph:1024:2048:4``).
+    What the numbers are, per pattern (`build_pattern`):
+
+    - ``ff_accumulator``, ``ff_one_graph``: B positive and B negative rows of 784
+      features, ``depth`` Forward-Forward layers of ``width`` units;
+    - ``vgg_local_loss``: B images 3 x 64 x 64, ``depth`` conv blocks of ``width``,
+      ``2 width``, ``4 width``, ... channels, each with its head, then the classifier;
+    - ``hooked_activations``, ``logged_on_module``, ``data_dependent_between``: B rows of
+      784 features, ``depth`` blocks Linear(width)-ReLU with a 10-class head each (half the
+      rows labelled for ``data_dependent_between``: the same count each batch);
+    - ``gpt2_probes``: B sequences of 256 tokens (vocabulary 8192), a GPT-2 of ``depth``
+      layers of ``width`` (heads of 64: ``width`` a multiple of 64, or one head under 64)
+      and a probe per layer.
+    """
+
+    name: str
+    batch: int
+    width: int
+    depth: int
+
+    @classmethod
+    def parse(cls, text: str) -> PatternConfig:
+        kind, *numbers = text.split(":")
+        name = kind.removeprefix("pattern-")
+        if name in NOT_BENCHED:
+            raise ValueError(f"config {text!r}: {name} has no bench config: "
+                             f"{NOT_BENCHED[name]}")
+        if not kind.startswith("pattern-") or name not in BENCH_SIZES:
+            raise ValueError(f"config {text!r} is not pattern-<name>:B[:width[:depth]] with "
+                             f"name one of {', '.join(BENCH_SIZES)}")
+        if not 1 <= len(numbers) <= 3 or not all(n.isdigit() for n in numbers):
+            raise ValueError(f"config {text!r} is not pattern-<name>:B[:width[:depth]] "
+                             "(positive integers)")
+        given = [int(n) for n in numbers]
+        cfg = cls(name, *given, *BENCH_SIZES[name][len(given):])
+        cfg.check(text)
+        return cfg
+
+    def check(self, text: str) -> None:
+        """Raise ValueError where the pattern cannot be built at this size."""
+        if self.batch < 2 or self.width < 1 or self.depth < 2:
+            raise ValueError(f"config {text!r}: batch at least 2, width at least 1, depth at "
+                             "least 2 (one early block, then the last)")
+        if self.name == "vgg_local_loss" and BENCH_IMAGE >> self.depth < 2:
+            raise ValueError(f"config {text!r}: {self.depth} pooling blocks leave no 2 x 2 map "
+                             f"of a {BENCH_IMAGE} x {BENCH_IMAGE} image")
+        if self.name == "gpt2_probes" and self.width >= 64 and self.width % 64:
+            raise ValueError(f"config {text!r}: width a multiple of 64 (heads of 64), or "
+                             "under 64 (one head)")
+
+    @property
+    def kind(self) -> str:
+        return f"pattern-{self.name}"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.batch}:{self.width}:{self.depth}"
+
+
+def build_pattern(cfg: PatternConfig, device: torch.device | str = "cpu",
+                  generator: torch.Generator | None = None) -> tuple[nn.Module, Batch, LossOf]:
+    """``(model, inputs, loss_of)`` of a bench config: the pattern's model at ``cfg``'s size
+    on ``device`` (the same parameters each call), one batch drawn from ``generator`` (on
+    ``device``), and the pattern's own ``loss_of`` (its factory's). Raises ImportError,
+    naming the config, where the pattern needs a package that is not installed."""
+    device = torch.device(device)
+    model = pattern_model(cfg, device)
+    loss_of = PATTERNS[cfg.name].factory()[2]
+    return model, _BENCH_INPUTS[cfg.name](cfg, device, generator), loss_of
+
+
+def pattern_model(cfg: PatternConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """The model of `build_pattern` alone: the same parameters each call."""
+    try:
+        with _seeded(MODEL_SEED):
+            model = _BENCH_MODELS[cfg.name](cfg)
+    except ImportError as error:
+        raise ImportError(f"{cfg} needs {error.name or 'a package'} ({error})") from error
+    return model.to(device)
+
+
+def _ff_sizes(cfg: PatternConfig) -> tuple[int, ...]:
+    return (BENCH_FEATURES, *[cfg.width] * cfg.depth)
+
+
+def _bench_hooked(cfg: PatternConfig) -> nn.Module:
+    model = DetachedMLP(BENCH_FEATURES, cfg.width, BENCH_CLASSES, cfg.depth)
+    model.activations = watch_activations(model)
+    return model
+
+
+_BENCH_MODELS: dict[str, Callable[[PatternConfig], nn.Module]] = {
+    "ff_accumulator": lambda cfg: ForwardForwardNet(_ff_sizes(cfg)),
+    "ff_one_graph": lambda cfg: OneGraphForwardForwardNet(_ff_sizes(cfg)),
+    "vgg_local_loss": lambda cfg: LocalLossVGG(
+        tuple(cfg.width << k for k in range(cfg.depth)), BENCH_CLASSES, BENCH_IMAGE),
+    "hooked_activations": _bench_hooked,
+    "logged_on_module": lambda cfg: DetachedMLP(BENCH_FEATURES, cfg.width, BENCH_CLASSES,
+                                                cfg.depth, block=LoggingBlock),
+    "data_dependent_between": lambda cfg: LabelledRowsMLP(BENCH_FEATURES, cfg.width,
+                                                          BENCH_CLASSES, cfg.depth),
+    "gpt2_probes": lambda cfg: GPT2WithProbes(cfg.depth, cfg.width, BENCH_VOCAB, BENCH_CONTEXT,
+                                              heads=max(1, cfg.width // 64)),
+}
+
+
+def _bench_ff_batch(cfg: PatternConfig, device: torch.device,
+                    generator: torch.Generator | None) -> Batch:
+    shape = (cfg.batch, BENCH_FEATURES)
+    return (torch.randn(shape, device=device, generator=generator) + 1.0,
+            torch.randn(shape, device=device, generator=generator))
+
+
+def _bench_vector_batch(cfg: PatternConfig, device: torch.device,
+                        generator: torch.Generator | None) -> Batch:
+    return (torch.randn(cfg.batch, BENCH_FEATURES, device=device, generator=generator),
+            torch.randint(0, BENCH_CLASSES, (cfg.batch,), device=device, generator=generator))
+
+
+def _bench_half_labelled_batch(cfg: PatternConfig, device: torch.device,
+                               generator: torch.Generator | None) -> Batch:
+    x, y = _bench_vector_batch(cfg, device, generator)
+    unlabelled = torch.randperm(cfg.batch, device=device, generator=generator)[: cfg.batch // 2]
+    y[unlabelled] = -1
+    return x, y
+
+
+def _bench_image_batch(cfg: PatternConfig, device: torch.device,
+                       generator: torch.Generator | None) -> Batch:
+    return (torch.randn(cfg.batch, 3, BENCH_IMAGE, BENCH_IMAGE, device=device,
+                        generator=generator),
+            torch.randint(0, BENCH_CLASSES, (cfg.batch,), device=device, generator=generator))
+
+
+def _bench_token_batch(cfg: PatternConfig, device: torch.device,
+                       generator: torch.Generator | None) -> Batch:
+    return (torch.randint(0, BENCH_VOCAB, (cfg.batch, BENCH_CONTEXT), device=device,
+                          generator=generator),)
+
+
+_Sample = Callable[[PatternConfig, torch.device, torch.Generator | None], Batch]
+_BENCH_INPUTS: dict[str, _Sample] = {
+    "ff_accumulator": _bench_ff_batch,
+    "ff_one_graph": _bench_ff_batch,
+    "vgg_local_loss": _bench_image_batch,
+    "hooked_activations": _bench_vector_batch,
+    "logged_on_module": _bench_vector_batch,
+    "data_dependent_between": _bench_half_labelled_batch,
+    "gpt2_probes": _bench_token_batch,
+}
 
 
 # -- the table --------------------------------------------------------------------
