@@ -47,11 +47,13 @@ from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
 from erase_fx.errors import EraseOptionError
 from erase_fx.names import input_names, output_names
+from erase_fx.passes.graph import copy_graph_module
 from erase_fx.report import publish
 
 _graph_ids = itertools.count()
 
 
+@ddp.keeps_blocks_whole
 def erase_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -180,16 +182,6 @@ def stock_backend(inner: str) -> Any:
     return lookup_backend("inductor" if inner == "inductor" else "aot_eager")
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose graph can be changed without touching ``gm``'s (modules shared)."""
-    graph = fx.Graph()
-    graph._codegen = gm.graph._codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
-    clone = fx.GraphModule(gm, graph)
-    clone.meta.update(gm.meta)
-    return clone
-
-
 @functools.cache
 def _sources_hash() -> str:
     """A hash of erase_fx's own sources (read once, at the first compile, not at import)."""
@@ -222,12 +214,6 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.
     return torch._dynamo.disable(run)
-
-
-# NB: marks the backend for Dynamo's DDP optimizer (erase_fx.ddp), which then
-# hands it whole graphs; installed when the backend is first looked up.
-ddp.mark_backend(erase_backend)
-ddp.keep_blocks_whole_under_ddp()
 
 
 def make_backend(**options: Any) -> Any:

@@ -18,9 +18,11 @@ decides to split from global state only (the config flag and
 ``convert_frame.CatchErrorsWrapper.__call__`` in torch 2.11 and 2.13), with no
 per-backend switch, and ``torch.compile`` wraps the backend so that a
 ``backend_ctx_ctor`` on it is lost. So erase_fx wraps
-``DDPOptimizer.compile_fn`` once (`keep_blocks_whole_under_ddp`): when the
-optimizer's backend is erase's (`is_erase_backend`), the whole graph goes to
-erase's backend, as the optimizer itself does when a graph fills one bucket;
+``DDPOptimizer.compile_fn`` once (`keep_blocks_whole_under_ddp`, applied by
+`keeps_blocks_whole` where erase's backend is defined, before Dynamo can meet a
+DDP module, and not at that meeting: see there): when the optimizer's backend
+is erase's (`is_erase_backend`), the whole graph goes to erase's backend, as
+the optimizer itself does when a graph fills one bucket;
 if that graph turns out to have no early block (the analysis of its joint
 graph finds none, before any code is generated), or erase fails on it,
 erase's backend raises `NoEarlyBlocks` and the optimizer splits it as usual
@@ -101,11 +103,12 @@ import torch.fx as fx
 from erase_fx.early_grads import EarlyGrad, hook_each_block, plan_early_grads
 from erase_fx.emit.scale_grads import is_dense
 from erase_fx.errors import EraseDistributedError
+from erase_fx.passes.graph import copy_graph_module
 
 log = logging.getLogger(__name__)
 
 WHERE = "ddp"
-#: The attribute that marks erase's backend callables (`mark_backend`).
+#: The attribute that marks erase's backend callables (`keeps_blocks_whole`).
 BACKEND_MARK = "_erase_fx_backend"
 
 
@@ -139,9 +142,21 @@ def _compiling_whole_ddp_graph() -> Iterator[None]:
         _WHOLE_DDP_GRAPH.reset(token)
 
 
-def mark_backend(fn: Any) -> Any:
-    """Mark ``fn`` as erase's backend, for `is_erase_backend`."""
+def keeps_blocks_whole(fn: Any) -> Any:
+    """Decorator of erase's backend: marks ``fn`` (`is_erase_backend`) and makes Dynamo's DDP
+    optimizer hand it whole graphs (`keep_blocks_whole_under_ddp`, once per process).
+
+    NB: applied where the backend is defined, so the wrapper is in place once the backend can
+    be handed to ``torch.compile``: by name (Dynamo's registry imports the entry point's
+    module), through `erase_fx.make_backend`, or as the function. It cannot wait until DDP is
+    met: for a frame run inside a DDP module's forward, Dynamo binds
+    ``DDPOptimizer.compile_fn`` and the optimizer splits the graph before any backend runs, so
+    installed at the first graph erase compiles under DDP, that graph (the model's forward,
+    which Dynamo then caches) would stay split, its blocks lost. Pinned by
+    ``tests/test_ddp_torch_internals.py`` (in a fresh process).
+    """
     setattr(fn, BACKEND_MARK, True)
+    keep_blocks_whole_under_ddp()
     return fn
 
 
@@ -194,8 +209,6 @@ def keep_blocks_whole_under_ddp() -> bool:
     def compile_fn(self: Any, gm: fx.GraphModule, example_inputs: Any, **configs: Any) -> Any:
         if not is_erase_backend(getattr(self, "backend_compile_fn", None)):
             return original(self, gm, example_inputs, **configs)
-        from erase_fx.backend import copy_graph_module
-
         # NB: stock compilers may change the graph they are given; the split
         # below must see it as Dynamo made it.
         whole = copy_graph_module(gm)

@@ -1,8 +1,9 @@
 """erase_fx's graph passes, in pipeline order.
 
-Each pass is a pure function of a GraphModule and an `EraseConfig` (plus the
-data an earlier pass decided) returning a `PassResult`: it never mutates its
-input, and its invariants are checked after it (``check_*``). The lists
+Each pass is a pure function ``(gm, ctx) -> PassResult`` of a GraphModule and a
+`PassContext` (the `EraseConfig`, the data the earlier passes decided, what the
+caller gave): it never mutates its input, and its invariants are checked after
+it (``check_*(result, ctx)``). The lists
 `JOINT_PASSES`, `FORWARD_PASSES`, `BACKWARD_PASSES` and their driver,
 `run_passes`, are in `pipeline.py`. See README.md in this folder.
 

@@ -94,7 +94,7 @@ from erase_fx.passes.node_meta import (
     set_meta,
     update_meta,
 )
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.pass_result import PassContext, PassResult
 
 PASS_NAME = "assign_streams"
 
@@ -104,8 +104,12 @@ def stream_of_block(block: int, cfg: EraseConfig) -> int:
     return 1 + block % cfg.streams if cfg.streams else MAIN_STREAM
 
 
-def assign_streams(gm: fx.GraphModule, cfg: EraseConfig) -> PassResult:
-    """Annotate a forward module with streams and sync points; see the module docstring."""
+def assign_streams(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Annotate a forward module with streams and sync points; see the module docstring.
+
+    Reads ``ctx.cfg.streams`` and ``ctx.cfg.stages_on_side``.
+    """
+    cfg = ctx.cfg
     new_gm, _ = clone_module(gm)
     nodes = list(new_gm.graph.nodes)
     owner: dict[fx.Node, int | None] = {}  # block id, None for the main stream
@@ -420,8 +424,9 @@ def _keep_getitems_with_producers(nodes: list[fx.Node], owner: dict, stage: set[
                     stage.discard(node)
 
 
-def check_stream_assignment(gm: fx.GraphModule) -> None:
-    for node in gm.graph.nodes:
+def check_stream_assignment(result: PassResult, ctx: PassContext) -> None:
+    """The invariants out (module docstring); raises GraphInvariantError."""
+    for node in result.gm.graph.nodes:
         meta = get_meta(node)
         if meta is None:
             raise GraphInvariantError(PASS_NAME, "node has no erase_fx meta", node=node.name)

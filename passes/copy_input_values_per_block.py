@@ -62,7 +62,6 @@ import operator
 import torch
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
@@ -79,7 +78,7 @@ from erase_fx.passes.graph import (
     val_of,
 )
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, is_early, set_meta
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "copy_input_values_per_block"
 
@@ -228,10 +227,13 @@ class _Analysis:
 
 
 def copy_input_values_per_block(gm: fx.GraphModule,
-                                cfg: EraseConfig) -> PassResult[InputValueCopies]:
-    """Give each block its own copy of the shared input-only values; see the module docstring."""
+                                ctx: PassContext) -> PassResult[InputValueCopies]:
+    """Give each block its own copy of the shared input-only values; see the module docstring.
+
+    Reads ``ctx.cfg.copy_input_values``.
+    """
     unchanged = PassResult(gm, modified=False, artifact=InputValueCopies({}))
-    if not cfg.copy_input_values:
+    if not ctx.cfg.copy_input_values:
         return unchanged
     # NB: the clone is analysed (once) and edited; with nothing to copy the input goes on
     new_gm, _ = clone_module(gm)
@@ -409,8 +411,10 @@ def _made_before_readers(graph: fx.Graph, late: set[fx.Node]) -> list[fx.Node]:
     return order
 
 
-def check_input_values_per_block(result: PassResult[InputValueCopies]) -> None:
-    """The invariants in the module docstring."""
+def check_input_values_per_block(result: PassResult[InputValueCopies], ctx: PassContext) -> None:
+    """The invariants in the module docstring (none with ``ctx.cfg.copy_input_values`` off)."""
+    if not ctx.cfg.copy_input_values:
+        return
     analysis = _Analysis.of(result.gm.graph)
     left = analysis.values_to_copy()
     if left:

@@ -43,11 +43,10 @@ import dataclasses
 
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import aten, clone_module, is_tangent, output_node, output_values
 from erase_fx.passes.node_meta import Role, get_meta
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "defer_grad_scaling"
 
@@ -86,12 +85,11 @@ class DeferredScaling:
                          graph_text(gm)),)
 
 
-def defer_grad_scaling(bw: fx.GraphModule, cfg: EraseConfig) -> PassResult[DeferredScaling]:
+def defer_grad_scaling(bw: fx.GraphModule, ctx: PassContext) -> PassResult[DeferredScaling]:
     """Return early gradients unscaled plus their scales; see the module docstring.
 
-    The pipeline checks the result with `check_deferred_scaling`.
+    Reads nothing from ``ctx``. The pipeline checks the result with `check_deferred_scaling`.
     """
-    del cfg
     num_grads = len(output_values(bw.graph))
     gm, _ = clone_module(bw)
     graph = gm.graph
@@ -135,7 +133,7 @@ def _saved_root(node: fx.Node, consumer: fx.Node) -> fx.Node | None:
         node, consumer = node.args[0], node
 
 
-def check_deferred_scaling(result: PassResult[DeferredScaling]) -> None:
+def check_deferred_scaling(result: PassResult[DeferredScaling], ctx: PassContext) -> None:
     """Invariants of the rewritten backward; raises GraphInvariantError."""
     graph = result.gm.graph
     deferred = result.artifact

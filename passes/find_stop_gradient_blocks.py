@@ -83,7 +83,6 @@ from collections.abc import Set as AbstractSet
 import networkx as nx
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
@@ -95,7 +94,7 @@ from erase_fx.passes.graph import (
     topo_positions,
 )
 from erase_fx.passes.linearity import linearity_violation
-from erase_fx.passes.pass_result import DumpFile, PassResult
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult
 from erase_fx.passes.split_at_sums import (
     Meeting,
     TermSplit,
@@ -253,14 +252,7 @@ class BlockAnalysis:
                          json.dumps(dataclasses.asdict(self), indent=2, default=str) + "\n"),)
 
 
-def find_stop_gradient_blocks(
-    gm: fx.GraphModule,
-    cfg: EraseConfig,
-    *,
-    num_fwd_outputs: int,
-    primal_names: Sequence[str] = (),
-    graph_end: bool = False,
-) -> PassResult[BlockAnalysis]:
+def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResult[BlockAnalysis]:
     """Analyse a joint graph; see the module docstring.
 
     Returns the input module, unmodified, with the `BlockAnalysis` as the
@@ -269,23 +261,27 @@ def find_stop_gradient_blocks(
     Args:
         gm: AOTAutograd's joint graph (``primals_*``, ``tangents_*`` inputs;
             forward outputs then one gradient per primal).
-        cfg: the compilation's settings: ``min_part_share``, the smallest share
-            of the backward's estimated FLOPs a gradient part runs early with.
-        num_fwd_outputs: how many of the outputs are forward outputs.
-        primal_names: a name per primal (e.g. a parameter's qualified name),
-            used in the report; ``primals_<i>`` where missing.
-        graph_end: a component ready only when the forward ends, whose loss terms
-            do not meet in sums, runs early there (`Block.at_graph_end`) instead of
-            staying in the backward (``last_block``). The caller says whether its
-            program can run it there (side streams, no data parallel).
+        ctx: ``cfg.min_part_share``, the smallest share of the backward's
+            estimated FLOPs a gradient part runs early with; and, given:
+            ``num_fwd_outputs``, how many of the outputs are forward outputs;
+            ``primal_names`` (optional), a name per primal (e.g. a parameter's
+            qualified name), used in the report, ``primals_<i>`` where missing;
+            ``graph_end`` (optional, False): a component ready only when the
+            forward ends, whose loss terms do not meet in sums, runs early there
+            (`Block.at_graph_end`) instead of staying in the backward
+            (``last_block``). The caller says whether its program can run it
+            there (side streams, no data parallel).
     """
+    num_fwd_outputs: int = ctx.given["num_fwd_outputs"]
+    primal_names: Sequence[str] = ctx.given.get("primal_names", ())
+    graph_end: bool = ctx.given.get("graph_end", False)
     facts = Dataflow.of(gm.graph, num_fwd_outputs, primal_names)
     components = sorted((facts.describe(members) for members in facts.backward_pieces()),
                         key=facts.order)
     latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
-                                        cfg.min_part_share, graph_end)
+                                        ctx.cfg.min_part_share, graph_end)
     early.sort(key=facts.order)
     blocks = []
     for i, comp in enumerate(early):
@@ -803,8 +799,9 @@ def _primal_labels(graph: fx.Graph, primal_names: Sequence[str]) -> list[str]:
     return labels
 
 
-def check_block_analysis(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
+def check_block_analysis(result: PassResult[BlockAnalysis], ctx: PassContext) -> None:
     """Invariants of the analysis; raises GraphInvariantError on a violation."""
+    gm, analysis = result.gm, result.artifact
     by_name = {n.name: n for n in gm.graph.nodes}
     components = [b.component for b in analysis.blocks] + [r.component for r in analysis.rejected]
     # NB: blocks come first, so block k's nodes are owned by k

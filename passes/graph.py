@@ -104,6 +104,19 @@ def clone_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.N
     return new_gm, node_map
 
 
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's ``gm`` whose graph can be changed without touching ``gm``'s (modules
+    shared): what the stock backend compiles in a fallback, and what Dynamo's DDP optimizer
+    splits after erase's backend declined a whole graph (`erase_fx.backend`, `erase_fx.ddp`).
+    Unlike `clone_module`, it keeps ``gm``'s class and tracer as Dynamo made them."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    clone = fx.GraphModule(gm, graph)
+    clone.meta.update(gm.meta)
+    return clone
+
+
 def rebuild_in_order(gm: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:
     """A new GraphModule whose nodes are ``order`` (a topological order of gm's nodes)."""
     graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)

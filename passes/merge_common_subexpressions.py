@@ -42,7 +42,6 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import (
     clone_module,
@@ -52,7 +51,7 @@ from erase_fx.passes.graph import (
     output_values,
     returned_values,
 )
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "merge_common_subexpressions"
 
@@ -76,9 +75,11 @@ class MergedSubexpressions:
 
 
 def merge_common_subexpressions(gm: fx.GraphModule,
-                                cfg: EraseConfig) -> PassResult[MergedSubexpressions]:
-    """``gm`` with its tangent-free common subexpressions merged; see the module docstring."""
-    del cfg  # NB: no setting: the stock partitioner merges them too, always
+                                ctx: PassContext) -> PassResult[MergedSubexpressions]:
+    """``gm`` with its tangent-free common subexpressions merged; see the module docstring.
+
+    Reads nothing from ``ctx``: no setting, the stock partitioner merges them too, always.
+    """
     found = MergedSubexpressions((), _placeholders(gm), len(output_values(gm.graph)))
     pairs = _duplicates(gm.graph)
     if not pairs:
@@ -181,7 +182,7 @@ def _placeholders(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(n.name for n in gm.graph.find_nodes(op="placeholder"))
 
 
-def check_merged(result: PassResult[MergedSubexpressions]) -> None:
+def check_merged(result: PassResult[MergedSubexpressions], ctx: PassContext) -> None:
     """The invariants out (module docstring)."""
     found = result.artifact
     after = _placeholders(result.gm)

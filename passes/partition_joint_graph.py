@@ -44,7 +44,7 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.node_meta import Role, get_meta
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "partition_joint_graph"
 
@@ -87,15 +87,17 @@ def stock_partition(
     )
 
 
-def partition_joint_graph(
-    gm: fx.GraphModule, cfg: EraseConfig, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
-) -> PassResult[JointPartition]:
+def partition_joint_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult[JointPartition]:
     """Forward and backward modules with every early gradient in the forward.
 
-    ``joint_inputs`` and ``kwargs`` are AOTAutograd's, handed to the stock
+    Reads ``ctx.cfg.partitioner`` and, given, AOTAutograd's ``joint_inputs``,
+    ``num_fwd_outputs`` and ``partition_kwargs`` (optional), handed to the stock
     partitioner (`stock_partition`). The pipeline checks the result with
     `check_partition`.
     """
+    joint_inputs = ctx.given["joint_inputs"]
+    num_fwd_outputs: int = ctx.given["num_fwd_outputs"]
+    kwargs = dict(ctx.given.get("partition_kwargs", {}))
     joint, _ = clone_module(gm)
     out = output_node(joint.graph)
     outputs = list(out.args[0])
@@ -117,8 +119,8 @@ def partition_joint_graph(
     # NB: merge_common_subexpressions merged the joint before the blocks were cloned; the
     # partitioner's own CSE would merge each block's clones back into one forward value.
     with functorch_config.patch(cse=PARTITIONER_CSE):
-        fw, bw = stock_partition(joint, joint_inputs, cfg, num_fwd_outputs=num_fwd_outputs + k,
-                                 **kwargs)
+        fw, bw = stock_partition(joint, joint_inputs, ctx.cfg,
+                                 num_fwd_outputs=num_fwd_outputs + k, **kwargs)
 
     fw_out = output_node(fw.graph)
     fw_outputs = list(fw_out.args[0])
@@ -142,13 +144,13 @@ def _saved_descs(k: int) -> list[Any]:
     return [SavedForBackwardsAOTOutput(1_000_000 + j) for j in range(k)]
 
 
-def check_partition(bw: fx.GraphModule) -> None:
+def check_partition(result: PassResult[JointPartition], ctx: PassContext) -> None:
     """No early-backward work that costs FLOPs was moved back into the backward.
 
     NB: the partitioner may still recompute a cheap view of an early gradient
     (``t(mm)``) in the backward from the saved ``mm``; that is free.
     """
-    for node in bw.graph.nodes:
+    for node in result.artifact.bw.graph.nodes:
         meta = get_meta(node)
         if meta is not None and meta.role is Role.EARLY_BACKWARD and node_flops(node) > 0:
             raise GraphInvariantError(

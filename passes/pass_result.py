@@ -10,14 +10,23 @@ A result renders its own dump (`PassResult.render`): its artifact's files
 when it has one (`Artifact.render`), else the module's code. Rendering is
 text only, done only when a dump asks for it; the instruments
 (`erase_fx.instruments`) add the headers and write the files.
+
+What every pass reads besides its module is a `PassContext`: the config,
+the results of the passes before it in its list, and what the caller of
+the list gave (`passes/pipeline.py`). Every pass is
+``pass_name(gm, ctx) -> PassResult`` and every check
+``check_name(result, ctx) -> None``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, Protocol, TypeVar
+import types
+from collections.abc import Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch.fx as fx
 
+from erase_fx.config import EraseConfig
 from erase_fx.passes.node_meta import get_meta
 
 
@@ -62,6 +71,37 @@ class PassResult(Generic[A]):
         if self.artifact is None:
             return (DumpFile(".py", "the module the pass returned", graph_text(self.gm)),)
         return tuple(self.artifact.render(self.gm))
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass and its check read besides the module.
+
+    Attributes:
+        cfg: the compilation's settings.
+        results: the results of the passes before it in its list, by pass name.
+        given: what the caller of the list gave (`run_passes`' keywords):
+            ``num_fwd_outputs`` (find_stop_gradient_blocks, partition_joint_graph),
+            ``primal_names`` and ``graph_end`` (find_stop_gradient_blocks),
+            ``joint_inputs`` and ``partition_kwargs`` (partition_joint_graph: AOT's),
+            ``unused_tangents`` (specialize_unused_tangents).
+    """
+
+    cfg: EraseConfig
+    results: Mapping[str, PassResult]
+    given: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, cfg: EraseConfig, results: Mapping[str, PassResult] | None = None,
+           **given: Any) -> PassContext:
+        """A context for a pass or check called alone (tests): ``results``, the earlier
+        passes' results it reads, by name; ``given``, as `run_passes` takes it."""
+        return cls(cfg, types.MappingProxyType(dict(results or {})),
+                   types.MappingProxyType(given))
+
+    def artifact(self, name: str) -> Any:
+        """The artifact of the earlier pass ``name``."""
+        return self.results[name].artifact
 
 
 def graph_text(gm: fx.GraphModule) -> str:

@@ -18,15 +18,19 @@ its runner; the results come back by pass name. What is not a pass
 (Inductor compiling segments, the stream program, CUDA graphs) is the
 caller's: `erase_fx.compilation`, `erase_fx.emit`.
 
-A `Pass` entry says how its pass is called (``run``: the module, a
-`PassContext` with the config, the results so far and what the caller gave),
-how its result is checked (``check``), and whether it runs at all
-(``runs_if``: the scheduling and the partition need an early block; when an
-entry's ``runs_if`` is false, it and the rest of its list are skipped, since
-they read what it would return).
+Every pass is called the same way, ``run(gm, ctx) -> PassResult``, and every
+check ``check(result, ctx) -> None``, where ``ctx`` is a `PassContext`: the
+config, the results so far in the list, and what the caller gave; a pass
+reads what it needs there (``ctx.artifact("find_stop_gradient_blocks")``,
+``ctx.given["num_fwd_outputs"]``). A `Pass` entry names the pass, its check,
+and whether it runs at all (``runs_if``: the scheduling and the partition need
+an early block; when an entry's ``runs_if`` is false, it and the rest of its
+list are skipped, since they read what it would return).
 
-NB: ``run`` and ``check`` call the passes by their names in this module, so a
-test breaks a stage with ``monkeypatch.setattr(pipeline, "split_segments", ...)``.
+NB: the lists hold the entries themselves, so a test breaks or watches a
+stage everywhere by replacing its entry's function:
+``monkeypatch.setattr(pipeline.SPLIT_SEGMENTS, "run", broken)`` (hence `Pass`
+is not frozen).
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from erase_fx.passes.find_stop_gradient_blocks import (
 )
 from erase_fx.passes.merge_common_subexpressions import check_merged, merge_common_subexpressions
 from erase_fx.passes.partition_joint_graph import check_partition, partition_joint_graph
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.pass_result import PassContext, PassResult
 from erase_fx.passes.recompute_boundary_values import (
     check_boundary_values,
     recompute_boundary_values,
@@ -65,31 +69,11 @@ from erase_fx.passes.specialize_unused_tangents import (
 from erase_fx.passes.split_segments import check_segments, split_segments
 
 
-@dataclasses.dataclass(frozen=True)
-class PassContext:
-    """What a pass entry reads besides its module.
-
-    Attributes:
-        cfg: the compilation's settings.
-        results: this list's results so far, by pass name.
-        given: what the caller handed `run_passes` (AOT's ``num_fwd_outputs``,
-            ``joint_inputs``, ``partition_kwargs``; ``primal_names``).
-    """
-
-    cfg: EraseConfig
-    results: Mapping[str, PassResult]
-    given: Mapping[str, Any]
-
-    def artifact(self, name: str) -> Any:
-        """The artifact of the earlier pass ``name``."""
-        return self.results[name].artifact
-
-
 def _always(context: PassContext) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Pass:
     """One entry of a pass list; see the module docstring."""
 
@@ -147,7 +131,7 @@ def run_pass(entry: Pass, gm: fx.GraphModule, cfg: EraseConfig, *,
              results: Mapping[str, PassResult] | None = None, **given: Any) -> PassResult:
     """One pass, checked, outside a pipeline (tests, `erase_fx.early_grads`'s plan);
     ``results``: the earlier passes' results it reads, by name."""
-    return _run_checked(entry, gm, PassContext(cfg, dict(results or {}), given))
+    return _run_checked(entry, gm, PassContext.of(cfg, results, **given))
 
 
 def _run_checked(entry: Pass, gm: fx.GraphModule, context: PassContext) -> PassResult:
@@ -161,114 +145,27 @@ def _run_checked(entry: Pass, gm: fx.GraphModule, context: PassContext) -> PassR
 
 # -- the entries --------------------------------------------------------------
 
-def _merge(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return merge_common_subexpressions(gm, context.cfg)
-
-
-def _check_merged(result: PassResult, context: PassContext) -> None:
-    check_merged(result)
-
-
-def _find_blocks(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return find_stop_gradient_blocks(gm, context.cfg,
-                                     num_fwd_outputs=context.given["num_fwd_outputs"],
-                                     primal_names=context.given.get("primal_names", ()),
-                                     graph_end=context.given.get("graph_end", False))
-
-
-def _check_blocks(result: PassResult, context: PassContext) -> None:
-    check_block_analysis(result.gm, result.artifact)
-
-
 def _found_blocks(context: PassContext) -> bool:
     analysis: BlockAnalysis = context.artifact(FIND_STOP_GRADIENT_BLOCKS.name)
     return bool(analysis.blocks)
 
 
-def _schedule(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return schedule_early_backward(gm, context.cfg,
-                                   context.artifact(FIND_STOP_GRADIENT_BLOCKS.name))
-
-
-def _check_schedule(result: PassResult, context: PassContext) -> None:
-    check_early_schedule(result.gm, context.artifact(FIND_STOP_GRADIENT_BLOCKS.name))
-
-
-def _partition(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    given = context.given
-    return partition_joint_graph(gm, context.cfg, given["joint_inputs"],
-                                 num_fwd_outputs=given["num_fwd_outputs"],
-                                 **given.get("partition_kwargs", {}))
-
-
-def _check_partition(result: PassResult, context: PassContext) -> None:
-    check_partition(result.artifact.bw)
-
-
-def _copy_input_values(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return copy_input_values_per_block(gm, context.cfg)
-
-
-def _check_input_values(result: PassResult, context: PassContext) -> None:
-    if context.cfg.copy_input_values:
-        check_input_values_per_block(result)
-
-
-def _assign_streams(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return assign_streams(gm, context.cfg)
-
-
-def _check_streams(result: PassResult, context: PassContext) -> None:
-    check_stream_assignment(result.gm)
-
-
-def _recompute_boundary_values(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return recompute_boundary_values(gm, context.cfg)
-
-
-def _check_boundary_values(result: PassResult, context: PassContext) -> None:
-    if context.cfg.recompute_boundary_values:
-        check_boundary_values(result)
-
-
-def _split_segments(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return split_segments(gm, context.cfg)
-
-
-def _check_segments(result: PassResult, context: PassContext) -> None:
-    check_segments(result)
-
-
-def _specialize_unused_tangents(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return specialize_unused_tangents(gm, context.cfg, context.given["unused_tangents"])
-
-
-def _check_unused_tangents(result: PassResult, context: PassContext) -> None:
-    check_unused_tangents(result.gm, result.artifact)
-
-
-def _defer_grad_scaling(gm: fx.GraphModule, context: PassContext) -> PassResult:
-    return defer_grad_scaling(gm, context.cfg)
-
-
-def _check_deferred(result: PassResult, context: PassContext) -> None:
-    check_deferred_scaling(result)
-
-
-MERGE_COMMON_SUBEXPRESSIONS = Pass("merge_common_subexpressions", _merge, _check_merged)
-FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", _find_blocks, _check_blocks)
-SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", _schedule, _check_schedule,
-                               runs_if=_found_blocks)
-PARTITION_JOINT_GRAPH = Pass("partition_joint_graph", _partition, _check_partition)
-COPY_INPUT_VALUES_PER_BLOCK = Pass("copy_input_values_per_block", _copy_input_values,
-                                   _check_input_values)
-ASSIGN_STREAMS = Pass("assign_streams", _assign_streams, _check_streams)
-RECOMPUTE_BOUNDARY_VALUES = Pass("recompute_boundary_values", _recompute_boundary_values,
-                                 _check_boundary_values)
-SPLIT_SEGMENTS = Pass("split_segments", _split_segments, _check_segments)
-SPECIALIZE_UNUSED_TANGENTS = Pass("specialize_unused_tangents", _specialize_unused_tangents,
-                                  _check_unused_tangents)
-DEFER_GRAD_SCALING = Pass("defer_grad_scaling", _defer_grad_scaling, _check_deferred)
+MERGE_COMMON_SUBEXPRESSIONS = Pass("merge_common_subexpressions", merge_common_subexpressions,
+                                   check_merged)
+FIND_STOP_GRADIENT_BLOCKS = Pass("find_stop_gradient_blocks", find_stop_gradient_blocks,
+                                 check_block_analysis)
+SCHEDULE_EARLY_BACKWARD = Pass("schedule_early_backward", schedule_early_backward,
+                               check_early_schedule, runs_if=_found_blocks)
+PARTITION_JOINT_GRAPH = Pass("partition_joint_graph", partition_joint_graph, check_partition)
+COPY_INPUT_VALUES_PER_BLOCK = Pass("copy_input_values_per_block", copy_input_values_per_block,
+                                   check_input_values_per_block)
+ASSIGN_STREAMS = Pass("assign_streams", assign_streams, check_stream_assignment)
+RECOMPUTE_BOUNDARY_VALUES = Pass("recompute_boundary_values", recompute_boundary_values,
+                                 check_boundary_values)
+SPLIT_SEGMENTS = Pass("split_segments", split_segments, check_segments)
+SPECIALIZE_UNUSED_TANGENTS = Pass("specialize_unused_tangents", specialize_unused_tangents,
+                                  check_unused_tangents)
+DEFER_GRAD_SCALING = Pass("defer_grad_scaling", defer_grad_scaling, check_deferred_scaling)
 
 #: On AOT's joint graph (after Inductor's joint-graph passes, with Inductor
 #: inside). The scheduling and the partition run only when the analysis found

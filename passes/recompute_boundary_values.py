@@ -56,7 +56,6 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.assign_streams import check_stream_assignment
 from erase_fx.passes.flops import node_flops
@@ -70,7 +69,7 @@ from erase_fx.passes.graph import (
     val_of,
 )
 from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta, set_meta
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 from erase_fx.passes.split_segments import pieces_of_side_nodes
 
 PASS_NAME = "recompute_boundary_values"
@@ -311,10 +310,13 @@ def plan_recomputes(graph: fx.Graph) -> list[tuple[str, str]]:
 
 
 def recompute_boundary_values(gm: fx.GraphModule,
-                              cfg: EraseConfig) -> PassResult[BoundaryRecomputes]:
-    """Recompute each block segment's cheap boundary values in it; see the module docstring."""
+                              ctx: PassContext) -> PassResult[BoundaryRecomputes]:
+    """Recompute each block segment's cheap boundary values in it; see the module docstring.
+
+    Reads ``ctx.cfg.recompute_boundary_values``.
+    """
     unchanged = PassResult(gm, modified=False, artifact=BoundaryRecomputes({}))
-    if not cfg.recompute_boundary_values:
+    if not ctx.cfg.recompute_boundary_values:
         return unchanged
     new_gm, _ = clone_module(gm)
     graph = new_gm.graph
@@ -399,10 +401,13 @@ def _erase_unread(graph: fx.Graph, candidates: Iterable[fx.Node]) -> None:
                 erased = True
 
 
-def check_boundary_values(result: PassResult[BoundaryRecomputes]) -> None:
-    """The invariants in the module docstring."""
+def check_boundary_values(result: PassResult[BoundaryRecomputes], ctx: PassContext) -> None:
+    """The invariants in the module docstring (none with ``ctx.cfg.recompute_boundary_values``
+    off)."""
+    if not ctx.cfg.recompute_boundary_values:
+        return
     graph = result.gm.graph
-    check_stream_assignment(result.gm)
+    check_stream_assignment(result, ctx)
     segment_of = {n: s for s in block_segments(graph) for n in s.members}
     for node in graph.nodes:
         if "_recomputed_block_" not in node.name:

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
+from erase_fx.passes.find_stop_gradient_blocks import PASS_NAME as FIND_BLOCKS
 from erase_fx.passes.find_stop_gradient_blocks import Block, BlockAnalysis
 from erase_fx.passes.graph import (
     aten,
@@ -68,19 +68,20 @@ from erase_fx.passes.graph import (
     val_of,
 )
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, set_meta
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.pass_result import PassContext, PassResult
 from erase_fx.passes.zero_folding import ZERO, copy_folding_zeros
 
 PASS_NAME = "schedule_early_backward"
 
 
-def schedule_early_backward(
-    gm: fx.GraphModule, cfg: EraseConfig, analysis: BlockAnalysis
-) -> PassResult:
+def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Clone each early block's backward after its ready point; see the module docstring.
 
-    The pipeline checks the result with `check_early_schedule`.
+    Reads ``ctx.cfg.seed`` and the `BlockAnalysis` of find_stop_gradient_blocks
+    (``ctx.artifact``). The pipeline checks the result with `check_early_schedule`.
     """
+    cfg = ctx.cfg
+    analysis: BlockAnalysis = ctx.artifact(FIND_BLOCKS)
     if not analysis.blocks:
         return PassResult(gm, modified=False)
     new_gm, _ = clone_module(gm)
@@ -288,8 +289,10 @@ def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
     return scale
 
 
-def check_early_schedule(gm: fx.GraphModule, analysis: BlockAnalysis) -> None:
+def check_early_schedule(result: PassResult, ctx: PassContext) -> None:
     """Invariants of the rewritten joint graph; raises GraphInvariantError."""
+    gm = result.gm
+    analysis: BlockAnalysis = ctx.artifact(FIND_BLOCKS)
     reads_tangent: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if is_tangent(node) or any(a in reads_tangent for a in node.all_input_nodes):

@@ -42,10 +42,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import clone_module, fake_mode_of, is_tangent, output_node
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 from erase_fx.passes.zero_folding import ZERO, copy_folding_zeros, zeros_like
 
 PASS_NAME = "specialize_unused_tangents"
@@ -62,10 +61,11 @@ class UnusedTangents:
                          + " get no gradient", graph_text(gm)),)
 
 
-def specialize_unused_tangents(bw: fx.GraphModule, cfg: EraseConfig,
-                               unused: Sequence[str] = ()) -> PassResult[UnusedTangents]:
-    """The backward with the tangents ``unused`` taken as zero; see the module docstring."""
-    del cfg
+def specialize_unused_tangents(bw: fx.GraphModule,
+                               ctx: PassContext) -> PassResult[UnusedTangents]:
+    """The backward with the tangents ``ctx.given["unused_tangents"]`` (names) taken as zero;
+    see the module docstring."""
+    unused: Sequence[str] = ctx.given.get("unused_tangents", ())
     if not unused:
         return PassResult(bw, modified=False, artifact=UnusedTangents(()))
     gm, _ = clone_module(bw)
@@ -102,8 +102,9 @@ def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
     return dependent
 
 
-def check_unused_tangents(gm: fx.GraphModule, found: UnusedTangents) -> None:
+def check_unused_tangents(result: PassResult[UnusedTangents], ctx: PassContext) -> None:
     """No node reads an unused tangent; raises GraphInvariantError."""
+    gm, found = result.gm, result.artifact
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.name in found.unused and node.users:
             raise GraphInvariantError(PASS_NAME, "the specialized backward still reads an unused "

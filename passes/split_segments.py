@@ -56,11 +56,10 @@ import operator
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.graph import draws_random_numbers, output_descriptors, rebuild_in_order
 from erase_fx.passes.node_meta import MAIN_STREAM, get_meta, is_early
-from erase_fx.passes.pass_result import DumpFile, PassResult, graph_text
+from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "split_segments"
 
@@ -127,9 +126,11 @@ class SegmentedForward(PassResult[Segments]):
         return next(s for s in self.segments if s.name == name)
 
 
-def split_segments(gm: fx.GraphModule, cfg: EraseConfig) -> SegmentedForward:
-    """Split a stream-annotated forward module; see the module docstring."""
-    del cfg
+def split_segments(gm: fx.GraphModule, ctx: PassContext) -> SegmentedForward:
+    """Split a stream-annotated forward module; see the module docstring.
+
+    Reads nothing from ``ctx``: the streams are in each node's meta.
+    """
     ordered = _launch_order(gm)
     reordered = rebuild_in_order(gm, ordered)
     piece_of = pieces_of_side_nodes(list(reordered.graph.nodes))
@@ -398,7 +399,7 @@ def _box_outputs(graph: fx.Graph, call: fx.Node, sub: fx.GraphModule) -> None:
         user.replace_input_with(call, item)
 
 
-def check_segments(result: SegmentedForward) -> None:
+def check_segments(result: SegmentedForward, ctx: PassContext) -> None:
     split = result.gm
     seen: set[str] = set()
     for call in [n for n in split.graph.nodes if n.op == "call_module"]:

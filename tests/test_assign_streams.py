@@ -10,6 +10,7 @@ from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
+from erase_fx.passes.pass_result import PassContext, PassResult
 from graphs import (
     Chain,
     SoftLabelChain,
@@ -20,6 +21,10 @@ from graphs import (
 )
 
 aten = torch.ops.aten
+
+
+def check_streams(gm):
+    check_stream_assignment(PassResult(gm, True), PassContext.of(EraseConfig()))
 
 
 def streams_by_block(gm):
@@ -94,12 +99,12 @@ def test_an_early_node_the_main_stream_reads_moves_to_it_with_its_inputs():
     out.args = (tuple(out.args[0]) + (reader,),)
     fw.recompile()
 
-    assigned = assign_streams(fw, stages.cfg).gm
+    assigned = assign_streams(fw, PassContext.of(stages.cfg)).gm
     by_name = {n.name: n for n in assigned.graph.nodes}
     moved = by_name[target.name]
     assert get_meta(moved).stream == MAIN_STREAM
     assert all(get_meta(a).stream == MAIN_STREAM for a in moved.all_input_nodes)
-    check_stream_assignment(assigned)
+    check_streams(assigned)
 
 
 def test_check_catches_a_missing_sync_point():
@@ -108,7 +113,7 @@ def test_check_catches_a_missing_sync_point():
     node = next(n for n in gm.graph.nodes if get_meta(n).waits_for and n.op != "output")
     set_meta(node, NodeMeta(get_meta(node).role, get_meta(node).block, stream=get_meta(node).stream))
     with pytest.raises(GraphInvariantError, match="sync point missing"):
-        check_stream_assignment(gm)
+        check_streams(gm)
 
 
 def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
@@ -308,4 +313,4 @@ def test_check_catches_a_stage_that_reads_a_blocks_head():
     set_meta(bad, NodeMeta(Role.FORWARD, block=1, stream=get_meta(reader).stream, stage=True,
                            waits_for=(head.name,)))
     with pytest.raises(GraphInvariantError, match="a stage reads a block's head"):
-        check_stream_assignment(gm)
+        check_streams(gm)

@@ -148,7 +148,7 @@ def test_layouts_unpinned_patches_erase_for_its_row_only():
 def test_late_cse_restores_the_order_before_the_merge_for_its_row_only():
     import importlib
 
-    from erase_fx.passes import pipeline
+    from erase_fx.passes import PassContext, pipeline
 
     # NB: erase_fx.passes exports the pass function under the module's name
     partition_joint_graph = importlib.import_module("erase_fx.passes.partition_joint_graph")
@@ -158,7 +158,8 @@ def test_late_cse_restores_the_order_before_the_merge_for_its_row_only():
         assert merge._duplicates is not real
         assert partition_joint_graph.PARTITIONER_CSE is True
         joint = trace_joint(Chain(3), *chain_inputs(), inner="inductor")
-        untouched = pipeline.merge_common_subexpressions(joint.gm, EraseConfig())
+        untouched = pipeline.MERGE_COMMON_SUBEXPRESSIONS.run(joint.gm,
+                                                             PassContext.of(EraseConfig()))
         assert untouched.gm is joint.gm and not untouched.modified
     assert merge._duplicates is real
     assert partition_joint_graph.PARTITIONER_CSE is False

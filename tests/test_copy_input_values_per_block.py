@@ -19,6 +19,7 @@ from erase_fx.passes.copy_input_values_per_block import (
 )
 from erase_fx.passes.graph import returned_values, val_of
 from erase_fx.passes.node_meta import NodeMeta, Role, is_early, set_meta
+from erase_fx.passes.pass_result import PassContext
 from erase_fx.report_text import format_report
 from graphs import Chain, SoftLabelChain, Stages, assert_same_grads, chain_inputs
 
@@ -27,6 +28,7 @@ pass_module = importlib.import_module("erase_fx.passes.copy_input_values_per_blo
 
 CLASSES = 8192  # a batch of 64 x 8192 fp32 classes: 2 MiB of soft targets from 64 labels
 BATCH = 64
+CTX = PassContext.of(EraseConfig())
 
 
 def wide_chain_stages(stages_on_side: bool | None = None, copy_input_values: bool = True) -> Stages:
@@ -104,14 +106,14 @@ def test_copies_are_made_right_before_their_first_reader():
 def test_check_rejects_a_block_reading_another_blocks_copy():
     stages = wide_chain_stages()
     result = stages.copied
-    check_input_values_per_block(result)
+    check_input_values_per_block(result, CTX)
     gm = result.gm
     by_name = {n.name: n for n in gm.graph.nodes}
     first, second = next(iter(result.artifact.copies.values()))
     reader = next(iter(by_name[second].users))
     reader.replace_input_with(by_name[second], by_name[first])
     with pytest.raises(GraphInvariantError, match="copy_input_values_per_block"):
-        check_input_values_per_block(result)
+        check_input_values_per_block(result, CTX)
 
 
 @pytest.mark.parametrize("stages_on_side", [False, True])
@@ -122,12 +124,12 @@ def test_gradients_match_stock_inductor_with_copies(blocks, stages_on_side, monk
     (`assign_streams`), with 3 each early block's loss reads them in its block."""
     copied = []
 
-    def spy(gm, cfg):
-        result = pass_module.copy_input_values_per_block(gm, cfg)
+    def spy(gm, ctx):
+        result = pass_module.copy_input_values_per_block(gm, ctx)
         copied.append(result.artifact.copies)
         return result
 
-    monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
+    monkeypatch.setattr(pipeline.COPY_INPUT_VALUES_PER_BLOCK, "run", spy)
     torch.manual_seed(1)
     model = SoftLabelChain(blocks, classes=CLASSES)
     stock = copy.deepcopy(model)
@@ -147,12 +149,12 @@ def test_dynamic_batch_sizes_are_copied_at_their_hints_and_stay_exact(monkeypatc
     batch size the graph already computes, and gradients match stock Inductor's."""
     copied = []
 
-    def spy(gm, cfg):
-        result = pass_module.copy_input_values_per_block(gm, cfg)
+    def spy(gm, ctx):
+        result = pass_module.copy_input_values_per_block(gm, ctx)
         copied.append(result.artifact.copies)
         return result
 
-    monkeypatch.setattr(pipeline, "copy_input_values_per_block", spy)
+    monkeypatch.setattr(pipeline.COPY_INPUT_VALUES_PER_BLOCK, "run", spy)
     torch.manual_seed(2)
     model = SoftLabelChain(3, classes=CLASSES)
     stock = copy.deepcopy(model)
@@ -304,9 +306,9 @@ class Forward:
         self.graph.output(tuple(outputs))
         gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)
         code = gm.code
-        result = pass_module.copy_input_values_per_block(gm, EraseConfig())
+        result = pass_module.copy_input_values_per_block(gm, CTX)
         assert gm.code == code  # the input is never mutated
-        check_input_values_per_block(result)
+        check_input_values_per_block(result, CTX)
         return result, {n.name: n for n in result.gm.graph.nodes}
 
 

@@ -45,8 +45,82 @@ def test_ddp_optimizer_compile_fn_is_wrapped_and_keeps_its_signature():
     assert list(inspect.signature(original).parameters)[:3] == ["self", "gm", "example_inputs"]
     optimizer = DDPOptimizer(bucket_bytes_cap=25 * 2**20, backend_compile_fn=print)
     assert optimizer.backend_compile_fn is print
-    assert erase_ddp.keep_blocks_whole_under_ddp()  # idempotent: wrapped once
-    assert DDPOptimizer.compile_fn._erase_fx_original is original
+
+
+def test_the_wrapper_is_installed_once_however_often_it_is_applied():
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    wrapped = DDPOptimizer.compile_fn
+    assert wrapped._erase_fx_original is not None  # erase's backend is defined: applied
+
+    def another_backend(gm, example_inputs):
+        return gm.forward
+
+    assert erase_ddp.keeps_blocks_whole(another_backend) is another_backend
+    assert erase_ddp.is_erase_backend(another_backend)
+    assert erase_ddp.keep_blocks_whole_under_ddp()
+    assert DDPOptimizer.compile_fn is wrapped
+
+
+#: A fresh process: ``torch.compile(DDP(model), backend="erase")`` with no import of erase_fx
+#: before it, then the same with the wrapper taken off. Prints each run's early collectives.
+_FRESH_PROCESS = """
+import json, sys, tempfile
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch._dynamo.backends.distributed import DDPOptimizer
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(16, 8192), nn.ReLU(),
+                                                  nn.Linear(8192, 16)) for _ in range(3))
+        self.heads = nn.ModuleList(nn.Linear(16, 5) for _ in range(3))
+
+    def forward(self, x, labels):
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages, self.heads):
+            x = stage(x)
+            loss = loss + F.cross_entropy(head(x), labels)
+            x = x.detach()
+        return loss
+
+def early_collectives():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Chain(), bucket_cap_mb=1.0)
+    compiled = torch.compile(ddp, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    compiled(torch.randn(6, 16), torch.randint(0, 5, (6,))).backward()
+    from erase_fx.ddp import state_of
+    state = state_of(ddp)
+    return 0 if state is None else state.stats["early_collectives"]
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
+                        world_size=1)
+record = {"wrapped_before": hasattr(DDPOptimizer.compile_fn, "_erase_fx_original"),
+          "imported_before": "erase_fx" in sys.modules,
+          "by_name": early_collectives()}
+DDPOptimizer.compile_fn = DDPOptimizer.compile_fn._erase_fx_original
+record["unwrapped"] = early_collectives()
+dist.destroy_process_group()
+print(json.dumps(record))
+"""
+
+
+def test_the_wrapper_is_in_place_before_dynamo_meets_ddp():
+    """``backend="erase"`` in a fresh process: Dynamo's registry loads erase's backend, which
+    installs the wrapper, before Dynamo meets the DDP module; the first graph stays whole
+    (both blocks all-reduced early). Without the wrapper Dynamo's DDP optimizer splits that
+    graph before any backend runs (no block left): why it cannot wait until DDP is met."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True,
+                          text=True, timeout=600, check=True)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record == {"wrapped_before": False, "imported_before": False, "by_name": 2,
+                      "unwrapped": 0}
 
 
 def test_dynamo_decides_the_split_from_the_global_flag_and_the_active_ddp_module():

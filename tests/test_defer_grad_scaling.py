@@ -10,6 +10,7 @@ from erase_fx.emit import scale_grads
 from erase_fx.emit.scale_grads import ScaledBackward, is_dense, scale_unless_one_
 from erase_fx.passes import (
     NodeMeta,
+    PassContext,
     Role,
     ScaledGrad,
     defer_grad_scaling,
@@ -61,7 +62,7 @@ def test_early_grads_leave_unscaled_with_one_scale_per_tangent(chain):
             node = node.args[0]
         assert node is placeholders[entry.saved_index] and not is_tangent(node)
     assert not any(n.target is aten.mul.Tensor for n in deferred.gm.graph.nodes)
-    check_deferred_scaling(deferred)
+    check_deferred_scaling(deferred, PassContext.of(CFG))
 
 
 def test_deferred_grads_times_their_scale_equal_the_original_backward(chain):
@@ -198,14 +199,14 @@ def test_with_inductor_every_early_grad_is_deferred(monkeypatch, make_model, mak
     # gradient left scaled in the graph would cost a pass over its memory
     seen = []
 
-    def spy(bw, cfg):
-        result = defer_grad_scaling(bw, cfg)
+    def spy(bw, ctx):
+        result = defer_grad_scaling(bw, ctx)
         scaled_in_graph = [n for n in bw.graph.nodes
                            if (m := get_meta(n)) is not None and m.role is Role.GRAD_SCALE]
         seen.append((len(scaled_in_graph), len(result.artifact.scaled)))
         return result
 
-    monkeypatch.setattr(pipeline, "defer_grad_scaling", spy)
+    monkeypatch.setattr(pipeline.DEFER_GRAD_SCALING, "run", spy)
     model = make_model()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="erase",

@@ -93,7 +93,7 @@ def test_internal_failure_falls_back_to_the_stock_path(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated pass failure")
 
-    monkeypatch.setattr(pipeline, "schedule_early_backward", broken)
+    monkeypatch.setattr(pipeline.SCHEDULE_EARLY_BACKWARD, "run", broken)
     with erase_fx.collect_reports() as reports, caplog.at_level(logging.WARNING, "erase_fx"):
         check_parity(Chain(3), chain_inputs, options={"on_error": "fallback"})
     assert reports[0].blocks == ()
@@ -107,7 +107,7 @@ def test_internal_failure_raises_under_raise(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated pass failure")
 
-    monkeypatch.setattr(pipeline, "split_segments", broken)
+    monkeypatch.setattr(pipeline.SPLIT_SEGMENTS, "run", broken)
     _, compiled = compile_chain(RAISE)
     with pytest.raises(Exception, match="simulated pass failure"):
         compiled(*chain_inputs())
@@ -119,7 +119,7 @@ def test_segment_failure_falls_back_to_one_stream_with_early_grads_kept(monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("simulated split failure")
 
-    monkeypatch.setattr(pipeline, "split_segments", broken)
+    monkeypatch.setattr(pipeline.SPLIT_SEGMENTS, "run", broken)
     with erase_fx.collect_reports() as reports:
         check_parity(Chain(3), chain_inputs, options={"on_error": "fallback"})
     assert len(reports[0].blocks) == 2

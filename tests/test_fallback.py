@@ -50,16 +50,16 @@ def _inductor_joint_passes():
 #: stage name, (module, attribute) to break, the inner compiler, where the
 #: report says it failed, whether the early blocks survive (a forward or
 #: backward failure keeps the schedule, on one stream). The passes are broken
-#: where the pass lists call them (`erase_fx.passes.pipeline`).
+#: in their entries of the pass lists (`erase_fx.passes.pipeline`).
 STAGES = [
-    ("analysis", (pipeline, "find_stop_gradient_blocks"), "aot_eager", "partition", False),
-    ("scheduling", (pipeline, "schedule_early_backward"), "aot_eager", "partition", False),
-    ("partition", (pipeline, "partition_joint_graph"), "aot_eager", "partition", False),
-    ("streams", (pipeline, "assign_streams"), "aot_eager", "compile_forward", True),
-    ("segments", (pipeline, "split_segments"), "aot_eager", "compile_forward", True),
+    ("analysis", (pipeline.FIND_STOP_GRADIENT_BLOCKS, "run"), "aot_eager", "partition", False),
+    ("scheduling", (pipeline.SCHEDULE_EARLY_BACKWARD, "run"), "aot_eager", "partition", False),
+    ("partition", (pipeline.PARTITION_JOINT_GRAPH, "run"), "aot_eager", "partition", False),
+    ("streams", (pipeline.ASSIGN_STREAMS, "run"), "aot_eager", "compile_forward", True),
+    ("segments", (pipeline.SPLIT_SEGMENTS, "run"), "aot_eager", "compile_forward", True),
     ("segment compile", (compilation, "compile_segment"), "aot_eager", "compile_forward", True),
     ("program", (StreamProgram, "build"), "aot_eager", "compile_forward", True),
-    ("backward passes", (pipeline, "defer_grad_scaling"), "aot_eager", "compile_backward",
+    ("backward passes", (pipeline.DEFER_GRAD_SCALING, "run"), "aot_eager", "compile_backward",
      True),
     ("backward compile", (compilation, "ScaledBackward"), "aot_eager", "compile_backward", True),
     ("inductor segments", (compilation, "compile_inductor_segments"), "inductor",

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 import erase_fx
 from erase_fx.config import EraseConfig
-from erase_fx.passes import RejectReason, run_pass
+from erase_fx.passes import PassContext, PassResult, RejectReason, run_pass
 from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS
 from erase_fx.passes.linearity import is_zero_constant, linearity_violation
 from graphs import (
@@ -294,7 +294,7 @@ def test_check_block_analysis_catches_a_part_handed_out_unannounced():
                                                                      partials=()))
     broken = dataclasses.replace(analysis, blocks=(hidden, *analysis.blocks[1:]))
     with pytest.raises(GraphInvariantError, match="read outside it only"):
-        check_block_analysis(joint.gm, broken)
+        check_block_analysis(PassResult(joint.gm, False, broken), PassContext.of(CFG))
 
 
 def test_check_block_analysis_catches_a_block_reading_another_component():
@@ -314,7 +314,7 @@ def test_check_block_analysis_catches_a_block_reading_another_component():
         *analysis.rejected[:-1], dataclasses.replace(rest, component=dataclasses.replace(
             rest.component, nodes=(moved, *rest.component.nodes)))))
     with pytest.raises(GraphInvariantError, match="reads a node of another component"):
-        check_block_analysis(joint.gm, broken)
+        check_block_analysis(PassResult(joint.gm, False, broken), PassContext.of(CFG))
 
 
 def test_an_early_component_whose_loss_terms_are_ready_apart_is_cut_in_pieces():

@@ -18,7 +18,7 @@ from erase_fx.passes.merge_common_subexpressions import (
     check_merged,
     merge_common_subexpressions,
 )
-from erase_fx.passes.pass_result import PassResult
+from erase_fx.passes.pass_result import PassContext, PassResult
 from graphs import Chain, Stages, chain_inputs, trace_joint
 
 partition_module = importlib.import_module("erase_fx.passes.partition_joint_graph")
@@ -27,6 +27,7 @@ aten = torch.ops.aten
 CLASSES = 8192  # a batch of 64 x 8192 classes: a 2 MiB label mask per block
 BATCH = 64
 LARGE = 1 << 20
+CTX = PassContext.of(EraseConfig())
 
 
 def label_only(node: fx.Node) -> bool:
@@ -82,25 +83,24 @@ def test_nodes_that_read_a_tangent_stay_apart():
     """Merged too, the blocks' gradients of one summed loss start from one node and the
     whole backward is one component: no early block."""
     joint = trace_joint(Chain(3), *chain_inputs(), inner="inductor")
-    merged = merge_common_subexpressions(joint.gm, EraseConfig())
+    merged = merge_common_subexpressions(joint.gm, CTX)
     assert merged.modified and merged.artifact.removed
-    found = find_stop_gradient_blocks(merged.gm, EraseConfig(),
-                                      num_fwd_outputs=joint.num_fwd_outputs).artifact
+    given = PassContext.of(EraseConfig(), num_fwd_outputs=joint.num_fwd_outputs)
+    found = find_stop_gradient_blocks(merged.gm, given).artifact
     assert len(found.blocks) == 2
     everything, _ = clone_module(joint.gm)
     everything.graph = fx_graph_cse(everything.graph)
-    found = find_stop_gradient_blocks(everything, EraseConfig(),
-                                      num_fwd_outputs=joint.num_fwd_outputs).artifact
+    found = find_stop_gradient_blocks(everything, given).artifact
     assert found.blocks == ()
 
 
 def test_the_input_is_not_touched_and_no_repeat_is_left():
     joint = trace_joint(Chain(3), *chain_inputs(), inner="inductor")
     before = joint.gm.code
-    result = merge_common_subexpressions(joint.gm, EraseConfig())
+    result = merge_common_subexpressions(joint.gm, CTX)
     assert joint.gm.code == before and result.gm is not joint.gm
-    check_merged(result)
-    again = merge_common_subexpressions(result.gm, EraseConfig())
+    check_merged(result, CTX)
+    again = merge_common_subexpressions(result.gm, CTX)
     assert not again.modified and again.gm is result.gm
 
 
@@ -117,8 +117,8 @@ def joint_graph() -> tuple[fx.Graph, fx.Node, fx.Node]:
 
 def merged_names(graph: fx.Graph, outputs) -> tuple[str, ...]:
     graph.output(tuple(outputs))
-    result = merge_common_subexpressions(fx.GraphModule(torch.nn.Module(), graph), EraseConfig())
-    check_merged(result)
+    result = merge_common_subexpressions(fx.GraphModule(torch.nn.Module(), graph), CTX)
+    check_merged(result, CTX)
     return result.artifact.removed
 
 
@@ -160,7 +160,7 @@ def test_the_check_rejects_a_repeat_left():
     gm = fx.GraphModule(torch.nn.Module(), graph)
     unmerged = PassResult(gm, True, MergedSubexpressions((), ("primals_1", "tangents_1"), 1))
     with pytest.raises(GraphInvariantError, match="common subexpressions are left"):
-        check_merged(unmerged)
+        check_merged(unmerged, CTX)
 
 
 def test_the_stock_partitioner_reads_its_cse_setting_at_each_call():

@@ -1,4 +1,5 @@
 """The pass lists and their driver: what compilation runs, and the contract every pass keeps."""
+import inspect
 import json
 
 import pytest
@@ -143,25 +144,33 @@ def test_each_pass_of_a_list_reads_the_module_the_pass_before_returned():
         module_given_to(forward, "copy_input_values_per_block")
 
 
-CHECKS = [
-    ("check_block_analysis", "joint"), ("check_early_schedule", "joint"),
-    ("check_partition", "joint"), ("check_input_values_per_block", "forward"),
-    ("check_stream_assignment", "forward"), ("check_boundary_values", "forward"),
-    ("check_segments", "forward"), ("check_deferred_scaling", "backward"),
-]
+ENTRIES = [entry for passes in LISTS.values() for entry in passes]
+EVERY_ENTRY = ENTRIES + [pipeline.SPECIALIZE_UNUSED_TANGENTS]
+
+
+@pytest.mark.parametrize("entry", EVERY_ENTRY, ids=[e.name for e in EVERY_ENTRY])
+def test_each_entry_names_its_pass_and_check_which_take_the_module_or_result_and_the_context(
+        entry):
+    """No adapter between an entry and its pass: every pass is ``name(gm, ctx)`` in the
+    module of its name, and its check ``check_*(result, ctx)`` beside it."""
+    module = f"erase_fx.passes.{entry.name}"
+    assert (entry.run.__module__, entry.run.__name__) == (module, entry.name)
+    assert entry.check.__module__ == module and entry.check.__name__.startswith("check_")
+    assert list(inspect.signature(entry.run).parameters) in (["gm", "ctx"], ["bw", "ctx"])
+    assert list(inspect.signature(entry.check).parameters) == ["result", "ctx"]
 
 
 class BrokenInvariant(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("check, list_name", CHECKS, ids=[c for c, _ in CHECKS])
-def test_the_driver_runs_each_passs_check(monkeypatch, check, list_name):
-    def fail(*args):
-        raise BrokenInvariant(check)
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_the_driver_runs_each_passs_check(monkeypatch, entry):
+    def fail(result, ctx):
+        raise BrokenInvariant(entry.name)
 
-    monkeypatch.setattr(pipeline, check, fail)
-    with pytest.raises(BrokenInvariant, match=check):
+    monkeypatch.setattr(entry, "check", fail)
+    with pytest.raises(BrokenInvariant, match=entry.name):
         run_every_list(Chain(3), chain_inputs())
 
 

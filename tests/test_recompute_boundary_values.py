@@ -14,6 +14,7 @@ from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import get_meta, pipeline
 from erase_fx.passes.graph import val_of
+from erase_fx.passes.pass_result import PassContext
 from erase_fx.passes.recompute_boundary_values import (
     _Planner,
     block_segments,
@@ -107,14 +108,14 @@ def test_the_segments_compute_what_they_computed(monkeypatch):
     """Erase with Inductor inside trains like eager, with the pass on and off, and the pass
     did recompute values in the compiled graph."""
     ran = []
-    real = pipeline.recompute_boundary_values
+    real = pipeline.RECOMPUTE_BOUNDARY_VALUES.run
 
-    def spy(gm, cfg):
-        result = real(gm, cfg)
+    def spy(gm, ctx):
+        result = real(gm, ctx)
         ran.append(result.modified)
         return result
 
-    monkeypatch.setattr(pipeline, "recompute_boundary_values", spy)
+    monkeypatch.setattr(pipeline.RECOMPUTE_BOUNDARY_VALUES, "run", spy)
     torch.manual_seed(0)
     model = GeluChain()
     for recompute in (True, False):
@@ -266,13 +267,15 @@ def test_the_check_refuses_a_copy_outside_a_block_segment():
     moved = next(n for n in gm.graph.nodes if "_recomputed_block_" in n.name)
     set_meta(moved, dataclasses.replace(get_meta(moved), stage=True))
     with pytest.raises(GraphInvariantError, match="not in a block segment"):
-        check_boundary_values(PassResult(gm, True, stages.recomputed.artifact))
+        check_boundary_values(PassResult(gm, True, stages.recomputed.artifact),
+                              PassContext.of(stages.cfg))
 
 
 def test_the_check_refuses_a_value_left_that_pays():
     stages = gelu_stages(recompute=False)
     with pytest.raises(GraphInvariantError, match="pays to recompute"):
-        check_boundary_values(stages.recomputed)
+        check_boundary_values(stages.recomputed,
+                              PassContext.of(EraseConfig(recompute_boundary_values=True)))
 
 
 def test_the_report_and_explain_say_what_the_segments_recompute():

@@ -5,6 +5,7 @@ import torch
 from erase_fx.config import EraseConfig
 from erase_fx.passes import Role, get_meta, schedule_early_backward
 from erase_fx.passes.graph import is_tangent, output_values
+from erase_fx.passes.pass_result import PassContext, PassResult
 from erase_fx.passes.schedule_early_backward import check_early_schedule
 from graphs import (
     Chain,
@@ -23,6 +24,12 @@ from graphs import (
 aten = torch.ops.aten
 
 
+def after_analysis(stages):
+    """What schedule_early_backward and its check read: the config and the analysis found."""
+    found = PassResult(stages.joint.gm, False, stages.analysis)
+    return PassContext.of(stages.cfg, {"find_stop_gradient_blocks": found})
+
+
 @pytest.fixture(scope="module")
 def two_block():
     return Stages(TwoBlock(), two_block_inputs(), EraseConfig(inner="aot_eager"))
@@ -38,8 +45,8 @@ def early_nodes(gm, block=None):
 def test_input_graph_is_not_mutated():
     stages = Stages(TwoBlock(), two_block_inputs(), EraseConfig(inner="aot_eager"))
     code = stages.joint.gm.code
-    again = schedule_early_backward(stages.joint.gm, stages.cfg, stages.analysis)
-    check_early_schedule(again.gm, stages.analysis)
+    again = schedule_early_backward(stages.joint.gm, after_analysis(stages))
+    check_early_schedule(again, after_analysis(stages))
     assert stages.joint.gm.code == code
     assert again.gm is not stages.joint.gm and again.modified
 
@@ -129,7 +136,7 @@ def test_check_early_schedule_catches_a_tangent_read_by_an_early_node(two_block)
     tangent = next(n for n in gm.graph.nodes if is_tangent(n))
     update_meta(tangent, role=Role.EARLY_BACKWARD, block=0)
     with pytest.raises(GraphInvariantError, match="reads a tangent"):
-        check_early_schedule(gm, two_block.analysis)
+        check_early_schedule(PassResult(gm, True), after_analysis(two_block))
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -163,7 +170,7 @@ def test_check_early_schedule_catches_an_unscaled_part():
     part = next(n for n in gm.graph.nodes if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE)
     part.args = (part.args[0], 1.0)
     with pytest.raises(GraphInvariantError, match="unscaled or unread"):
-        check_early_schedule(gm, stages.analysis)
+        check_early_schedule(PassResult(gm, True), after_analysis(stages))
 
 
 def test_a_block_in_pieces_clones_each_piece_after_its_ready_point():
