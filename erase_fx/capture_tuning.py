@@ -25,8 +25,9 @@ choice whose graph holds the least memory among those within
 
 The protocol (one `CaptureTuner` per argument signature):
 
-1. the first capture, with the defaults, says which options were asked
-   (`candidates_for`); its pool's size is reported (`captured`);
+1. the first capture, with the defaults, says what its programs can tune
+   (`erase_fx.emit.capture_scope.Tunables`; `candidates_for`); its pool's
+   size is reported (`captured`);
 2. its replays after the first are timed with CUDA events (`replay`);
 3. after `TIMED_REPLAYS` of them `next_capture` says what to capture next:
    the next candidate, or, once all are measured, the chosen one (``KEEP``
@@ -49,7 +50,7 @@ from typing import Any
 
 import torch
 
-from erase_fx.emit.capture_scope import CaptureChoice, CaptureTrial
+from erase_fx.emit.capture_scope import CaptureChoice, Tunables
 
 #: the release lags tried, in order (None: held to the join, the default)
 LAGS: tuple[int | None, ...] = (None, 2, 1)
@@ -80,14 +81,13 @@ class CaptureMeasurement:
                 f"{self.ms_max:.3f}), {self.pool_bytes / 2**20:.0f} MiB")
 
 
-def candidates_for(trial: CaptureTrial) -> tuple[CaptureChoice, ...]:
-    """The choices worth trying for what the first capture's programs asked: the lags if
-    one asked for ``release_lag``, the widths below its side streams if one asked for
-    ``side_cuda_streams``; the default first."""
-    lags = LAGS if trial.lag_asked else (None,)
-    widths = tuple(w for w in WIDTHS if w is None or w < trial.widest)
-    if not trial.width_asked:
-        widths = (None,)
+def candidates_for(met: Sequence[Tunables]) -> tuple[CaptureChoice, ...]:
+    """The choices worth trying for what the first capture's programs can tune (``met``: one
+    entry per program call): the lags if one can tune ``release_lag``, the widths below its
+    side streams if one can fold more than one side stream; the default first."""
+    lags = LAGS if any(t.release_lag for t in met) else (None,)
+    widest = max((t.side_streams for t in met if t.side_streams > 1), default=0)
+    widths = tuple(w for w in WIDTHS if w is None or w < widest) if widest else (None,)
     return tuple(CaptureChoice(lag, width) for width in widths for lag in lags)
 
 

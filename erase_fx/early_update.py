@@ -28,7 +28,8 @@ with the others, by the optimizer's own step, after the backward):
   end of the backward), so an update after the block would read them
   unreduced; such a graph plans its early gradients for the all-reduce only
   (`erase_fx.compilation`).
-- while `compile_step` captures the step (`UpdateSession`):
+- while `compile_step` captures the step (`UpdateSession`, which the graphs
+  find on the step's `erase_fx.emit.capture_scope.StepScope`):
 
   - each block's completion records an event on its side stream: the update
     waits for it and for nothing else;
@@ -77,7 +78,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -85,6 +85,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.early_grads import EarlyGrad, block_key, hook_each_block
+from erase_fx.emit.capture_scope import StepScope, current_scope
 from erase_fx.passes import MAIN_STREAM
 from erase_fx.passes.graph import is_view, output_values
 
@@ -177,6 +178,10 @@ class EarlyUpdates:
     do nothing unless `compile_step` is capturing a step with
     ``early_optimizer=True`` (`active_session`).
 
+    NB: the backward runs on the autograd engine's thread, where the step's
+    scope is not current: it reports to the session its forward met
+    (`session`), which the session clears when it closes.
+
     Attributes:
         graph_id: the compiled graph's number (for messages).
         grads: the whole early gradients (`erase_fx.early_grads.plan_early_grads`):
@@ -193,6 +198,8 @@ class EarlyUpdates:
         chosen = set(planned)
         self.planned = tuple(g in chosen for g in self.grads)
         self.unprovable = unprovable
+        #: the session the last forward ran under, while it is open: the backward's
+        self.session: UpdateSession | None = None
 
     def attach(self, program: Any) -> None:
         hook_each_block(program, self.grads, self._begin, self._block_done)
@@ -203,6 +210,7 @@ class EarlyUpdates:
             return None
         params = [inputs[g.param] if planned else None
                   for g, planned in zip(self.grads, self.planned)]
+        self.session = session
         session.forward_began(self, params, inputs)
         return _Call(session, params)
 
@@ -234,7 +242,7 @@ class _NotingBackward:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         outputs = self.fn(args)
-        session = active_session()
+        session = self.owner.session
         if session is not None:
             # NB: the autograd node running this backward: the graph's output's grad_fn
             node = torch._C._current_autograd_node()
@@ -272,26 +280,21 @@ class _BackwardCall:
     inputs_given: bool
 
 
-_session_lock = threading.Lock()
-_session: UpdateSession | None = None
-
-
 def active_session() -> UpdateSession | None:
-    """The session of the step being captured with ``early_optimizer=True``, if any.
-
-    NB: process-wide, as `erase_fx.emit.capture_scope`: the backward runs on
-    the autograd engine's threads.
-    """
-    return _session
+    """The session of the step being captured with ``early_optimizer=True``, if any: the one
+    on the current `erase_fx.emit.capture_scope.StepScope` (in the caller's thread; see
+    `EarlyUpdates` for the backward's)."""
+    scope = current_scope()
+    return None if scope is None else scope.session
 
 
 class UpdateSession:
     """Early updates while one step is captured: what the graphs report, and the optimizer's step.
 
-    Open it with `open_session` around the capture. It records, through the
-    graphs' hooks, each block's completion and what each backward hands out;
-    through a wrapper of ``torch.autograd.backward``, the step's backward
-    calls; through global optimizer step hooks, each ``optimizer.step()``,
+    Open it with `open_session` on the step's scope around the capture. It
+    records, through the graphs' hooks, each block's completion and what each
+    backward hands out; through a wrapper of ``torch.autograd.backward``, the
+    step's backward calls; through global optimizer step hooks, each ``optimizer.step()``,
     where it launches the early updates (`before_step`) and joins them
     (`after_step`).
 
@@ -305,10 +308,11 @@ class UpdateSession:
         self.backwards: list[_BackwardCall] = []
         self.updated = 0
         self.refused: collections.Counter[str] = collections.Counter()
-        self.own_hooks = [*own_hooks, _session_before_step, _session_after_step]
+        self.own_hooks = [*own_hooks, self.before_step, self.after_step]
         #: the tensor hyperparameters' versions of the optimizers known at the start
         self.hyperparameters = {id(o): _hyperparameter_versions(o) for o in optimizers}
         self._forwards: dict[int, list[Any]] = {}
+        self._owners: list[EarlyUpdates] = []
         self._hooks: list[Any] = []
         self._narrowed: list[tuple[dict[str, Any], list[Any]]] = []
         self._joins: list[Any] = []
@@ -320,6 +324,8 @@ class UpdateSession:
         """A forward of ``owner`` starts with ``inputs``; ``params``: its planned parameters."""
         if id(owner) in self._forwards:
             self._refuse_owner(owner, "its graph ran twice in the step (gradient accumulation)")
+        else:
+            self._owners.append(owner)
         self._forwards[id(owner)] = params
         # NB: another graph reading a parameter a block already made the gradient of (tied
         # weights across a graph break) may run while its update does: not early, then
@@ -525,6 +531,10 @@ class UpdateSession:
         self.params.clear()
         self.backwards.clear()
         self._forwards.clear()
+        for owner in self._owners:
+            if owner.session is self:
+                owner.session = None
+        self._owners.clear()
 
 
 def describe_refusals(refused: dict[str, int]) -> str:
@@ -577,38 +587,25 @@ def _other_step_hooks(optimizer: Any, own: Sequence[Any]) -> str:
                      if not any(h == o for o in own))
 
 
-def _session_before_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
-    session = active_session()
-    if session is not None:
-        session.before_step(optimizer, args, kwargs)
-
-
-def _session_after_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
-    session = active_session()
-    if session is not None:
-        session.after_step(optimizer, args, kwargs)
-
-
 @contextlib.contextmanager
-def open_session(optimizers: Sequence[Any] = (),
+def open_session(scope: StepScope, optimizers: Sequence[Any] = (),
                  own_hooks: Sequence[Any] = ()) -> Iterator[UpdateSession]:
-    """An `UpdateSession` for the duration of one capture (one at a time).
+    """An `UpdateSession` on ``scope`` (``scope.session``) for the duration of one capture.
 
-    ``optimizers``: those the warm-up steps stepped (their tensor
-    hyperparameters' versions now are the reference); ``own_hooks``: the
-    caller's own optimizer step hooks, which do not count as the user's.
+    ``scope``: the capturing step's (`erase_fx.emit.capture_scope.StepScope`): the graphs
+    that run while it is current report to the session. ``optimizers``: those the
+    warm-up steps stepped (their tensor hyperparameters' versions now are the
+    reference); ``own_hooks``: the caller's own optimizer step hooks, which do not
+    count as the user's.
     """
-    global _session
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
-    session = UpdateSession(optimizers, own_hooks)
-    with _session_lock:
-        if _session is not None:
-            raise RuntimeError("erase_fx: one early-update session at a time")
-        _session = session
+    if scope.session is not None:
+        raise RuntimeError("erase_fx: one early-update session at a time")
+    session = scope.session = UpdateSession(optimizers, own_hooks)
     original_backward = torch.autograd.backward
 
     @functools.wraps(original_backward)
@@ -622,8 +619,8 @@ def open_session(optimizers: Sequence[Any] = (),
     # NB: Tensor.backward calls torch.autograd.backward by its module attribute (torch
     # 2.11-2.14; pinned in tests/test_early_update.py): the wrapper sees loss.backward().
     torch.autograd.backward = recording_backward
-    pre = register_optimizer_step_pre_hook(_session_before_step)
-    post = register_optimizer_step_post_hook(_session_after_step)
+    pre = register_optimizer_step_pre_hook(session.before_step)
+    post = register_optimizer_step_post_hook(session.after_step)
     try:
         yield session
     finally:
@@ -631,5 +628,4 @@ def open_session(optimizers: Sequence[Any] = (),
         post.remove()
         torch.autograd.backward = original_backward
         session.close()
-        with _session_lock:
-            _session = None
+        scope.session = None

@@ -51,8 +51,8 @@ Guards, checked before every replay (a failed one means warm-up, then a new
 capture, counted toward ``max_captures``): what the graph reads or writes
 that Python could change:
 
-- the modules the step ran (found during the first warm-up with torch's
-  global forward pre-hook) and the modules, optimizers, gradient scalers,
+- the modules the step ran (found during the first warm-up with a forward
+  pre-hook of torch's for every module) and the modules, optimizers, gradient scalers,
   tensors and plain values the step's code names (its globals, closure
   cells, ``self`` attributes, and those of the functions of its module it
   calls): each still the same object (a new optimizer, a swapped model, a
@@ -111,7 +111,9 @@ numbers come fresh at each replay from the default CUDA generator only;
 gradients live in the graph's memory and each replay overwrites them (a
 ``.grad`` kept from an earlier step changes); not thread-safe. Stock
 ``torch.compile`` (default mode), ``backend="erase"`` (its own graphs step
-aside, see `erase_fx.emit.capture_scope`) and eager models all work inside.
+aside, and it sets the ``"auto"`` options of its programs, through the
+step's `erase_fx.emit.capture_scope.StepScope`) and eager models all work
+inside.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from erase_fx.capture_tuning import KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, pool_bytes
 from erase_fx.early_update import describe_refusals, open_session
-from erase_fx.emit.capture_scope import CaptureChoice, capture_trial, whole_step_scope
+from erase_fx.emit.capture_scope import CaptureChoice, StepScope
 from erase_fx.emit.cudagraphs import ASYNC_ALLOCATOR_FIX, allocator_refusal, data_ptrs_equal
 from erase_fx.errors import EraseOptionError, StepCaptureError
 
@@ -272,6 +274,8 @@ class CompiledStep:
         self._module_hook: Any = None
         self._module_hook_done = False
         self._side: Any = None
+        #: how the warm-ups and captures reach the compiled programs the step runs
+        self._scope = StepScope()
 
     @property
     def tuning(self) -> bool:
@@ -335,7 +339,7 @@ class CompiledStep:
         side = self._side_stream()
         side.wait_stream(current)
         try:
-            with self._recording(), whole_step_scope(), torch.cuda.stream(side):
+            with self._recording(), self._scope.entered(), torch.cuda.stream(side):
                 out = self.fn(*args, **kwargs)
         finally:
             current.wait_stream(side)
@@ -372,8 +376,8 @@ class CompiledStep:
         try:
             # NB: our own stream context outside the capture's: if capture_end raises,
             # torch.cuda.graph leaves its stream set; ours puts the caller's back.
-            with self._recording(), whole_step_scope(), torch.cuda.stream(side):
-                with self._early_updates() as session, capture_trial(choice) as trial, \
+            with self._recording(), self._scope.entered(), torch.cuda.stream(side):
+                with self._early_updates() as session, self._scope.trying(choice) as met, \
                         torch.cuda.graph(graph, pool=pool, stream=side,
                                          capture_error_mode="thread_local"):
                     out = self.fn(*static_args, **static_kwargs)
@@ -389,7 +393,7 @@ class CompiledStep:
                 return self._tuning_capture_failed(entry, choice, reason, args, kwargs)
             return self._unsupported(reason, fix, args, kwargs, error)
         current.wait_stream(side)
-        candidates = candidates_for(trial) if entry.tuner is None else ()
+        candidates = candidates_for(met) if entry.tuner is None else ()
         tuning_open = len(candidates) > 1 or (entry.tuner is not None and not entry.tuner.done)
         if not tuning_open:
             # NB: a tuning keeps the module hook to its end: removing it changes Dynamo's
@@ -539,7 +543,7 @@ class CompiledStep:
         if not self.early_optimizer:
             yield None
             return
-        with open_session(self._known.live(self._known.optimizers),
+        with open_session(self._scope, self._known.live(self._known.optimizers),
                           own_hooks=[self._known.on_optimizer_step]) as session:
             yield session
 

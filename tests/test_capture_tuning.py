@@ -3,9 +3,9 @@ captures, and the plumbing.
 
 The pure rules (`candidates_for`, `choose`, `next_candidate`) and the
 tuner's sequence are checked directly; the programs' side (an ``"auto"``
-program plans its captured frees and folds its streams as the open trial
-says, and says what it asked) on CPU through the captured path and virtual
-streams; `compile_step`'s side with the fake CUDA of ``fake_cuda.py``,
+program says what it can tune, and plans its captured frees and folds its
+streams as the step's scope sets them) on CPU through the captured path and
+virtual streams; `compile_step`'s side with the fake CUDA of ``fake_cuda.py``,
 timings and pool sizes given per choice by the test. The GPU runs it for
 real in ``bench/check_step.py`` (``--checks release-lag``).
 """
@@ -30,7 +30,7 @@ from erase_fx.capture_tuning import (
 from erase_fx.config import EraseConfig
 from erase_fx.emit import capture_scope
 from erase_fx.emit import program as program_module
-from erase_fx.emit.capture_scope import CaptureChoice, CaptureTrial
+from erase_fx.emit.capture_scope import CaptureChoice, StepScope, Tunables
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 from graphs import Chain as GraphChain
 from graphs import Stages, chain_inputs, real_values
@@ -41,8 +41,9 @@ MiB = 2**20
 
 
 C = CaptureChoice
+T = Tunables
 #: what a program with release_lag="auto" alone asks for: the lags, one CUDA stream each
-LAGS_ONLY = candidates_for(CaptureTrial(C(), lag_asked=1))
+LAGS_ONLY = candidates_for([T(release_lag=True)])
 
 
 def m(lag, ms, mib, width=None):
@@ -59,10 +60,10 @@ def key(choice):
 
 def test_candidates_are_what_the_programs_asked_for_the_default_first():
     assert LAGS_ONLY == (C(None), C(2), C(1))
-    assert candidates_for(CaptureTrial(C())) == (C(),)
-    assert candidates_for(CaptureTrial(C(), width_asked=1, widest=4)) == (C(None), C(None, 2))
-    assert candidates_for(CaptureTrial(C(), width_asked=1, widest=2)) == (C(),)  # nothing to fold
-    assert candidates_for(CaptureTrial(C(), lag_asked=1, width_asked=1, widest=3)) == (
+    assert candidates_for([]) == candidates_for([T(), T(side_streams=1)]) == (C(),)
+    assert candidates_for([T(side_streams=4)]) == (C(None), C(None, 2))
+    assert candidates_for([T(side_streams=2)]) == (C(),)  # nothing to fold
+    assert candidates_for([T(release_lag=True), T(side_streams=3)]) == (
         C(None), C(2), C(1), C(None, 2), C(2, 2), C(1, 2))
 
 
@@ -169,7 +170,7 @@ def test_the_tuner_keeps_the_graph_in_hand_when_it_is_the_choice(monkeypatch):
 
 
 def test_the_tuner_folds_streams_where_that_is_as_fast_and_smaller(monkeypatch):
-    both = candidates_for(CaptureTrial(C(), lag_asked=1, width_asked=1, widest=4))
+    both = candidates_for([T(release_lag=True, side_streams=4)])
     times = FakeTimes(monkeypatch, {None: 10.0, 2: 10.5, (None, 2): 10.1})
     tuner = CaptureTuner(both)
     captured = run_tuner(tuner, times, {None: 900, 2: 700, (None, 2): 600})
@@ -201,10 +202,10 @@ def build_program(release_lag=None, side_cuda_streams=None, streams=2, trace=Fal
     return program, stream_ops, lambda: list(args)
 
 
-def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch):
+def test_an_auto_program_plans_with_the_lag_its_step_sets_and_says_it_can_tune(monkeypatch):
     program, _, inputs = build_program("auto")
-    assert program.lag_matters
-    assert program._choice()[0] == program.capture_plan_for(None)  # outside a trial
+    assert program.lag_matters and program.tunables == T(release_lag=True)
+    assert program._choice()[0] == program.capture_plan_for(None)  # outside a step
     assert program.capture_plan_for(2) != program.capture_plan_for(None)
     plans = []
     original = program_module.StreamProgram._run_captured
@@ -216,45 +217,59 @@ def test_an_auto_program_plans_with_the_trials_lag_and_says_it_asked(monkeypatch
     monkeypatch.setattr(program_module.StreamProgram, "_run_captured", spy)
     monkeypatch.setattr(program_module, "_capturing", lambda: True)
     program(inputs())
-    with capture_scope.capture_trial(C(2)) as trial:
-        program(inputs())
-        with capture_scope.capture_trial(C(1)) as inner:  # a step inside a step: outer decides
+    scope, inner = StepScope(), StepScope()
+    with scope.entered():
+        program(inputs())  # a warm-up: the defaults
+        with scope.trying(C(2)) as met:
             program(inputs())
+            # a step inside a step: the outer one decides
+            with inner.entered(), inner.trying(C(1)) as inner_met:
+                program(inputs())
+        program(inputs())
     program(inputs())
-    assert plans == [program.capture_plan_for(lag) for lag in (None, 2, 2, None)]
-    assert (trial.lag_asked, trial.width_asked, inner.lag_asked) == (2, 0, 0)
+    assert plans == [program.capture_plan_for(lag) for lag in (None, None, 2, 2, None, None)]
+    assert met == [T(release_lag=True)] * 2 and inner_met == []
 
 
 def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
     fixed, _, inputs = build_program(2)
-    with capture_scope.capture_trial(C(1)) as trial:
+    scope = StepScope()
+    with scope.entered(), scope.trying(C(1)) as met:
         fixed(inputs())
-    assert trial.lag_asked == 0
-    with capture_scope.capture_trial(C(1)):
         assert fixed._choice()[0] == fixed.capture_plan_for(2)
+    assert met == [T()] and candidates_for(met) == (C(),)
     stages = Stages(GraphChain(5), chain_inputs(),
                     EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
     on_side, _ = build(stages, trace=False, release_lag="auto")
     assert not on_side.lag_matters  # each block's activations are made on its own stream
+    assert on_side.tunables == T()
 
 
 # -- compile_step ------------------------------------------------------------------
 #
 # NB: under the fake capture (a TorchDispatchMode) Dynamo runs compiled models eagerly, so the
-# step stands in for a release_lag="auto" program by asking as one does (`auto_choice`).
+# step stands in for a release_lag="auto" program by meeting the step's scope as one does.
 
 
 class Asking:
-    """A model call that asks for the trial's lag, as a ``release_lag="auto"`` program does;
-    its capture with a lag in ``fails_with`` raises (as one out of memory would)."""
+    """A model call that runs with the lag its step sets, as a ``release_lag="auto"`` program
+    does (`StreamProgram.tunables`, `tune`); its capture with a lag in ``fails_with`` raises (as
+    one out of memory would)."""
+
+    tunables = Tunables(release_lag=True)
 
     def __init__(self, model, fails_with=()):
         self.model = model
         self.lags = []
         self.fails_with = fails_with
+        self.tuned = C()
+
+    def tune(self, choice):
+        self.tuned = choice
 
     def __call__(self, x, y):
-        lag = capture_scope.auto_choice(True, 0).lag
+        capture_scope.meet(self)
+        lag = self.tuned.lag
         self.lags.append(lag)
         if lag in self.fails_with:
             raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
@@ -406,7 +421,7 @@ def test_a_candidate_whose_capture_fails_ends_the_tuning_with_what_was_measured(
     assert_trains_like_eager(models, opts)
 
 
-def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
+def test_an_auto_width_program_folds_its_side_streams_as_its_step_sets():
     program, streams, inputs = build_program(side_cuda_streams="auto", streams=4, trace=True)
     assert program.side_streams == (1, 2, 3, 4)
 
@@ -417,9 +432,10 @@ def test_an_auto_width_program_folds_its_side_streams_in_a_trial():
 
     want, used = run_on()
     assert used == {0, 1, 2, 3, 4}
-    with capture_scope.capture_trial(C(None, 2)) as trial:
+    scope = StepScope()
+    with scope.entered(), scope.trying(C(None, 2)) as met:
         got, used = run_on()
-    assert used == {0, 1, 2} and (trial.width_asked, trial.widest, trial.lag_asked) == (1, 4, 0)
+    assert used == {0, 1, 2} and met == [T(side_streams=4)]
     for a, b in zip(want, got):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)

@@ -31,12 +31,23 @@ from erase_fx.early_update import (
     open_session,
     plan_early_updates,
 )
+from erase_fx.emit.capture_scope import StepScope
 from erase_fx.errors import EraseOptionError
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 from graphs import Chain, Stages, chain_inputs
 from test_step import Chain as Detached  # three detached stages with local heads
 
 CFG = EraseConfig(inner="aot_eager", streams=2)
+
+
+@contextlib.contextmanager
+def session_of(optimizers=()):
+    """An early-update session on a step scope of its own, current meanwhile, as compile_step
+    opens one around a capture."""
+    scope = StepScope()
+    with scope.entered(), open_session(scope, optimizers) as session:
+        assert active_session() is session
+        yield session
 
 
 # -- the plan ---------------------------------------------------------------------------
@@ -145,7 +156,7 @@ def test_step_hooks_are_found_where_torch_keeps_them():
 def test_tensor_backward_calls_torch_autograd_backward_by_its_module_attribute():
     assert "torch.autograd.backward(" in inspect.getsource(torch.Tensor.backward)
     x = torch.randn((), requires_grad=True)
-    with open_session() as session:
+    with session_of() as session:
         (x * 2).backward()
         (x * 3).backward(torch.tensor(2.0))
         assert [call.gradient_given for call in session.backwards] == [False, True]
@@ -253,7 +264,7 @@ def _run(optimizer="adam", *, steps=4, hook=None, **variant):
     updated, refused = [], []
     for _ in range(steps):
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-        with open_session([opt]) as session:
+        with session_of([opt]) as session:
             got = step(x, y)
         assert torch.equal(got, reference(x, y))
         updated.append(session.updated)
@@ -310,7 +321,7 @@ def test_a_parameter_another_graph_reads_later_in_the_step_is_not_updated_early(
     compiled = [torch.compile(m, backend="erase", options=options) for m in (first, second)]
     x, y = torch.randn(8, 8), torch.randn(8, 1)
     for _ in range(2):
-        with open_session([opt]) as session:
+        with session_of([opt]) as session:
             opt.zero_grad(set_to_none=True)
             for fn in compiled:
                 fn(x, y).backward()
@@ -356,7 +367,7 @@ def test_compile_step_opens_a_session_around_the_capture_only(fake_cuda, monkeyp
         updated, refused = 3, {"why not": 2}
 
     @contextlib.contextmanager
-    def fake_open(optimizers, own_hooks):
+    def fake_open(scope, optimizers, own_hooks):
         opened.append(([type(o).__name__ for o in optimizers], len(own_hooks)))
         yield Session()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ import erase_fx
 from erase_fx import CompiledStep, EraseOptionError, StepCaptureError, compile_step
 from erase_fx import step as step_module
 from erase_fx.emit import cudagraphs
-from erase_fx.emit.capture_scope import in_whole_step_scope, whole_step_scope
-from erase_fx.emit.cudagraphs import GraphedForward, graph_backward
+from erase_fx.emit.capture_scope import StepScope, current_scope
+from erase_fx.emit.cudagraphs import GraphedForward, Unreplayed, graph_backward
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 
 aten = torch.ops.aten
@@ -597,7 +598,7 @@ def test_hooks_are_removed(fake_cuda):
     assert step.captures == 1
     assert len(module_hooks._global_forward_pre_hooks) == 0
     assert len(optimizer_hooks._global_optimizer_pre_hooks) == 0
-    assert not in_whole_step_scope()
+    assert current_scope() is None
 
 
 def test_the_modules_that_ran_are_found_by_the_hook(fake_cuda):
@@ -616,7 +617,7 @@ def test_the_modules_that_ran_are_found_by_the_hook(fake_cuda):
     assert compiled.warmups == 2  # recapturing
 
 
-def test_erase_graphs_run_as_is_inside_the_whole_step_scope(monkeypatch):
+def test_erase_graphs_run_as_is_inside_a_step_scope(monkeypatch):
     def no_graph(*args, **kwargs):
         raise AssertionError("erase captured a graph of its own")
 
@@ -629,14 +630,27 @@ def test_erase_graphs_run_as_is_inside_the_whole_step_scope(monkeypatch):
                         name="test")
     bw = graph_backward(fw, lambda args: calls.append("bw") or [args[0]], num_saved=0,
                         name="test backward")
-    with whole_step_scope():
-        assert in_whole_step_scope()
+    scope = StepScope()
+    with scope.entered():
+        assert current_scope() is scope
         for _ in range(3):
             (out,) = fw([torch.ones(2)])
             bw([torch.ones(2)])
-    assert not in_whole_step_scope()
+        # NB: a CUDA backward runs on the autograd engine's thread, where the scope is not
+        # current: it goes by what its forward saw
+        fw([torch.ones(2)])
+        seen = []
+
+        def backward_elsewhere():
+            seen.append((current_scope(), bw.unreplayed([torch.ones(2)])))
+            bw([torch.ones(2)])
+
+        worker = threading.Thread(target=backward_elsewhere)
+        worker.start()
+        worker.join()
+    assert current_scope() is None and seen == [(None, Unreplayed.INSIDE_CAPTURE)]
     assert fw.graph is None and fw.replays == 0 and bw.graph is None
-    assert calls == ["fw", "bw"] * 3 and torch.equal(out, torch.full((2,), 2.0))
+    assert calls == ["fw", "bw"] * 4 and torch.equal(out, torch.full((2,), 2.0))
 
 
 # -- options --------------------------------------------------------------------------

@@ -1,55 +1,54 @@
-"""A scope in which erase's own CUDA graphs step aside for a whole-step capture.
+"""The scope of one `erase_fx.compile_step`: what its step's programs can tune, and what it sets.
 
 `erase_fx.compile_step` captures the whole training step in one CUDA graph.
-While it warms the step up (uncaptured calls that compile, create optimizer
-state and initialise libraries) and while it captures, erase's own
-`GraphedForward` / `GraphedBackward` must run the compiled program as is:
-under the capture they already notice it (the current stream is capturing),
-but during the uncaptured warm-up they would capture graphs of their own,
-which the whole-step graph never replays (memory for nothing).
+Two things flow between it and the programs erase compiled (`StreamProgram`,
+the CUDA graphs around them), both at run time:
 
-NB: process-wide, not thread-local or a contextvar: the autograd engine runs
-a CUDA backward on its own device threads, where a thread-local flag set by
-the caller is not visible, and `GraphedBackward` must see the scope there
-too. A depth counter lets scopes nest (a step that calls another step).
-While any scope is open, erase's graphs in every thread run as is (exact,
-only not replayed).
+- while it warms the step up (uncaptured calls that compile, create optimizer
+  state and initialise libraries) and while it captures, erase's own
+  `GraphedForward` / `GraphedBackward` must run the compiled program as is:
+  under the capture they notice it (the current stream is capturing), but
+  during the uncaptured warm-up they would capture graphs of their own, which
+  the whole-step graph never replays (memory for nothing);
+- a program built with ``release_lag="auto"`` or ``side_cuda_streams="auto"``
+  says what it can tune (`Tunables`), and compile_step sets, for each of its
+  captures, the values it runs with (`CaptureChoice`): it tries candidates
+  and keeps one (`erase_fx.capture_tuning`).
 
-The same module carries the choice of `capture_trial`: while
-`erase_fx.compile_step` tunes a step, each capture is a trial of one
-``release_lag`` and ``side_cuda_streams`` for the programs built with
-``"auto"`` for them.
+Both go through the `StepScope` that compile_step owns. The user's step
+function sits between compile_step and the programs (compile_step calls it;
+it calls the compiled model; Dynamo's code calls the program), so nothing can
+be handed down as an argument: compile_step makes its scope the current one
+around each warm-up and capture call (`StepScope.entered`, a context variable
+set and reset around the call, never left set), and each program that runs
+meets the current scope (`meet`): the scope keeps the programs of its step and
+sets on each the choice of the capture under way (`StepScope.trying`), the
+defaults at any other time.
+
+"auto" outside compile_step's captures: the defaults, deliberately
+(``release_lag`` None: what the main stream made and side streams read is
+held to the join; ``side_cuda_streams`` None: one CUDA stream per side
+stream). Both trade time for memory, and only timing captures of the whole
+step tells which pays; erase's own CUDA graphs of a program, and a capture
+written by hand, have no such timing, so they run with the defaults (a
+value other than "auto" fixes either everywhere).
+
+NB: a context variable is seen by the thread that set it (and the contexts
+copied from it), not by the autograd engine's device threads, where a CUDA
+backward runs: what the backward needs, it reads from its forward, which ran
+in the caller's thread (`GraphedForward.inside_step`, the early-update
+session an `EarlyUpdates` keeps per forward). A scope entered while another
+is current (a step that calls another step) changes nothing: the outer
+step's scope stays current and decides.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-import threading
+import weakref
 from collections.abc import Iterator
-
-_lock = threading.Lock()
-_depth = 0
-
-
-@contextlib.contextmanager
-def whole_step_scope() -> Iterator[None]:
-    """Inside: erase's own CUDA graphs run the compiled program without capturing or replaying."""
-    global _depth
-    with _lock:
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-
-
-def in_whole_step_scope() -> bool:
-    """Whether a whole-step warm-up or capture is under way (see `whole_step_scope`)."""
-    return _depth > 0
-
-
-# -- the choices of programs built with release_lag="auto" or side_cuda_streams="auto" ------
+from typing import Any, Protocol
 
 #: The option value that lets `erase_fx.compile_step` choose by timing.
 AUTO = "auto"
@@ -60,8 +59,8 @@ class CaptureChoice:
     """How a captured run of a program releases memory and on how many CUDA streams it runs.
 
     Attributes:
-        lag: `EraseConfig.release_lag` (None: held to the join).
-        width: `EraseConfig.side_cuda_streams` (None: one CUDA stream per side stream).
+        lag: ``release_lag`` (None: held to the join).
+        width: ``side_cuda_streams`` (None: one CUDA stream per side stream).
     """
 
     lag: int | None = None
@@ -71,55 +70,109 @@ class CaptureChoice:
         return f"release_lag={self.lag}, side_cuda_streams={self.width}"
 
 
-@dataclasses.dataclass
-class CaptureTrial:
-    """One whole-step capture's choice for the programs built with ``"auto"`` options.
+#: What a program built with "auto" runs with when no capture of compile_step is under way.
+DEFAULT_CHOICE = CaptureChoice()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunables:
+    """What compile_step may choose for one program.
 
     Attributes:
-        choice: what those programs use.
-        lag_asked: calls of programs whose ``release_lag`` is ``"auto"`` and matters.
-        width_asked: calls of programs whose ``side_cuda_streams`` is ``"auto"`` and that
-            have more than one side stream.
-        widest: the most side streams of those programs.
+        release_lag: its ``release_lag`` is ``"auto"`` and changes how its captured run
+            frees memory (some tensor the main stream makes is read only on side streams).
+        side_streams: with ``side_cuda_streams="auto"``, how many side streams it has, which
+            could fold onto fewer CUDA streams; 0 with a fixed value.
     """
 
-    choice: CaptureChoice
-    lag_asked: int = 0
-    width_asked: int = 0
-    widest: int = 0
+    release_lag: bool = False
+    side_streams: int = 0
 
 
-_trial: CaptureTrial | None = None
+class Tunable(Protocol):
+    """A program compile_step can tune: it says what (`tunables`), and takes the values."""
+
+    tunables: Tunables
+
+    def tune(self, choice: CaptureChoice) -> None:
+        """Run with ``choice`` for the options built with ``"auto"``, from the next call on."""
 
 
-@contextlib.contextmanager
-def capture_trial(choice: CaptureChoice) -> Iterator[CaptureTrial]:
-    """Inside: programs built with ``"auto"`` options run with ``choice``; the trial counts
-    which of them asked (none: the step has no such program and nothing is worth timing).
-    Process-wide like the scope above. Inside another trial (a step captured inside a step)
-    it changes nothing and counts nothing: the outer trial decides.
+_CURRENT: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar(
+    "erase_fx_step_scope", default=None)
+
+
+class StepScope:
+    """One `erase_fx.compile_step`'s: the programs its step runs, and what it sets on them.
+
+    Attributes:
+        choice: what the programs run with: the capture's under way (`trying`), else
+            `DEFAULT_CHOICE`.
+        session: the early-update session of the capture under way
+            (`erase_fx.early_update.open_session`), or None.
     """
-    global _trial
-    trial = CaptureTrial(choice)
-    with _lock:
-        outer, _trial = _trial, _trial or trial
-    try:
-        yield trial
-    finally:
-        with _lock:
-            _trial = outer
+
+    def __init__(self) -> None:
+        self.choice = DEFAULT_CHOICE
+        self.session: Any = None
+        # NB: held weakly: a recompiled graph's old program goes with its compiled code
+        self._programs: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._met: list[Tunables] | None = None
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Inside: this is the current scope (`current_scope`): the programs that run meet it,
+        and erase's own CUDA graphs run them as they are. Inside another step's scope,
+        nothing changes: that one stays current."""
+        if _CURRENT.get() is not None:
+            yield
+            return
+        token = _CURRENT.set(self)
+        try:
+            yield
+        finally:
+            _CURRENT.reset(token)
+
+    def meet(self, program: Tunable) -> None:
+        """``program`` runs in this scope's step: keep it, set the current choice on it, and
+        note what it can tune for the capture under way."""
+        self._programs.add(program)
+        program.tune(self.choice)
+        if self._met is not None:
+            self._met.append(program.tunables)
+
+    @contextlib.contextmanager
+    def trying(self, choice: CaptureChoice) -> Iterator[list[Tunables]]:
+        """Inside (one capture of the step): every program of the step runs with ``choice``,
+        those met before set now, the others as they run; yields what each program that
+        runs can tune, one entry per call (none: nothing to try). After: the defaults again.
+        A scope that is not the current one (a step inside a step) sets and notes nothing."""
+        if _CURRENT.get() is not self:
+            yield []
+            return
+        met: list[Tunables] = []
+        self._met = met
+        self._set(choice)
+        try:
+            yield met
+        finally:
+            self._met = None
+            self._set(DEFAULT_CHOICE)
+
+    def _set(self, choice: CaptureChoice) -> None:
+        self.choice = choice
+        for program in list(self._programs):
+            program.tune(choice)
 
 
-def auto_choice(lag: bool, width: int) -> CaptureChoice:
-    """The choice a program with ``"auto"`` options uses now: the open trial's, else the
-    defaults (held to the join, every side stream its own). ``lag``: its ``release_lag`` is
-    ``"auto"`` and changes its plan; ``width``: how many side streams it has, when its
-    ``side_cuda_streams`` is ``"auto"`` (0 otherwise). The trial notes what was asked."""
-    with _lock:
-        if _trial is None:
-            return CaptureChoice()
-        _trial.lag_asked += lag
-        if width > 1:
-            _trial.width_asked += 1
-            _trial.widest = max(_trial.widest, width)
-        return _trial.choice
+def current_scope() -> StepScope | None:
+    """The scope of the `erase_fx.compile_step` warming up or capturing a step in this thread,
+    if any (see the module docstring)."""
+    return _CURRENT.get()
+
+
+def meet(program: Tunable) -> None:
+    """``program`` runs: the current scope, if any, meets it (`StepScope.meet`)."""
+    scope = _CURRENT.get()
+    if scope is not None:
+        scope.meet(program)

@@ -49,9 +49,11 @@ Rules that keep replay exact (each one has a test on the GPU in
 - **Inside someone else's capture** (the user captures the whole training
   step in one ``torch.cuda.CUDAGraph``): the compiled program runs as is, so
   the user's graph captures it, side streams included. The same while
-  `erase_fx.compile_step` warms a step up or captures it
-  (`erase_fx.emit.capture_scope.whole_step_scope`): its uncaptured warm-up
-  calls must not capture graphs of ours that its graph never replays.
+  `erase_fx.compile_step` warms a step up or captures it (its
+  `erase_fx.emit.capture_scope.StepScope` is current): its uncaptured warm-up
+  calls must not capture graphs of ours that its graph never replays. The
+  backward, which runs on the autograd engine's thread, goes by what its
+  forward saw (`GraphedForward.inside_step`).
 - **Every call that does not replay** says why: `Unreplayed` (first call,
   someone else captures, outputs or gradients still held, a backward not
   after a replay or keeping its graph, a capture that failed). The
@@ -72,7 +74,7 @@ from typing import Any
 
 import torch
 
-from erase_fx.emit.capture_scope import in_whole_step_scope
+from erase_fx.emit.capture_scope import current_scope
 from erase_fx.emit.inner import Boxed, BoxedCallable, cuda_device_of, has_symbolic_shapes
 from erase_fx.emit.scale_grads import backward_keeps_graph
 
@@ -220,6 +222,10 @@ class GraphedForward(Boxed):
         self.pool: Any = None
         self.backward: GraphedBackward | None = None
         self.disabled_reason: str | None = None
+        #: whether the last call ran while `erase_fx.compile_step` warmed up or captured a
+        #: step (`erase_fx.emit.capture_scope.current_scope`): its backward, on the autograd
+        #: engine's thread, cannot see the scope and reads this
+        self.inside_step = False
         self._said_unreplayed = False
 
     def unreplayed(self) -> Unreplayed | None:
@@ -231,7 +237,7 @@ class GraphedForward(Boxed):
         graph_end = getattr(self.fn, "graph_end", None)
         if graph_end is not None and not graph_end.armed:
             return Unreplayed.GRAPH_END_IN_BACKWARD
-        if _someone_else_captures():
+        if self.inside_step or _someone_else_captures():
             return Unreplayed.INSIDE_CAPTURE
         if self.graph is not None and (self.memory.in_use() or (
                 self.backward is not None and self.backward.memory.in_use())):
@@ -240,6 +246,7 @@ class GraphedForward(Boxed):
 
     def __call__(self, args: list[Any]) -> list[Any]:
         self.calls += 1
+        self.inside_step = current_scope() is not None
         reason = self.unreplayed()
         if reason is not None:
             if reason is Unreplayed.OUTPUTS_IN_USE and not self._said_unreplayed:
@@ -369,7 +376,7 @@ class GraphedBackward(Boxed):
         """Why this call must run without the graph, or None: it replays (capturing if needed)."""
         if self.disabled_reason is not None:
             return Unreplayed.CAPTURE_FAILED
-        if _someone_else_captures():
+        if self.forward.inside_step or _someone_else_captures():
             return Unreplayed.INSIDE_CAPTURE
         if backward_keeps_graph():
             return Unreplayed.KEEPS_GRAPH
@@ -431,10 +438,8 @@ class GraphedBackward(Boxed):
 
 
 def _someone_else_captures() -> bool:
-    """Whether someone else captures the step: the current stream is being captured (ours run
-    uncaptured), or `erase_fx.compile_step` warms up or captures the whole step."""
-    return in_whole_step_scope() or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    """Whether someone else captures: the current stream is being captured (ours run as is)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:

@@ -19,10 +19,13 @@ order; `streams.StreamOps` decides what a step on a side stream means:
 - on CPU (`VirtualStreams`), streams are virtual and the same steps simply
   run in order.
 
-A call runs on `StreamOps.folded` streams when ``EraseConfig.side_cuda_streams``
-(or, for ``"auto"``, the capture trial of `erase_fx.compile_step`) folds the
-side streams onto fewer CUDA streams; the steps, their order and their
-events stay as they are.
+A call runs on `StreamOps.folded` streams when ``side_cuda_streams`` folds
+the side streams onto fewer CUDA streams; the steps, their order and their
+events stay as they are. A program built with ``"auto"`` for it or for
+``release_lag`` says so (`StreamProgram.tunables`) and runs with what
+`erase_fx.compile_step` sets (`StreamProgram.tune`, through the step's
+`erase_fx.emit.capture_scope.StepScope`, which each call meets), the
+defaults otherwise.
 
 No stream or event op is ever inside a compiled segment: Inductor may reorder
 side-effect ops against compute, so syncs live here, between segments.
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.capture_scope import AUTO, auto_choice
+from erase_fx.emit.capture_scope import AUTO, DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
@@ -147,15 +150,21 @@ class StreamProgram(Boxed):
             i for i, (kind, slot) in enumerate(results)
             if kind == "slot" and slot_stream.get(slot, MAIN_STREAM) != MAIN_STREAM
         )
-        #: `EraseConfig.release_lag` and `EraseConfig.side_cuda_streams`: with "auto", the
-        #: choice of each call's capture trial (`erase_fx.emit.capture_scope.auto_choice`)
+        #: the ``release_lag`` and ``side_cuda_streams`` it was built with: with "auto", the
+        #: values set by `tune` (`erase_fx.emit.capture_scope`)
         self.release_lag = release_lag
         self.side_cuda_streams = side_cuda_streams
+        #: what the "auto" options run with: `DEFAULT_CHOICE` unless compile_step set one
+        self.tuned: CaptureChoice = DEFAULT_CHOICE
         self._plans: dict[int | None, CapturePlan] = {}
         self._folded: dict[int, StreamOps] = {}
         #: whether the release lag changes anything here: some tensor the main stream makes
         #: and only side streams read (with each block's stage on its side stream, none)
         self.lag_matters = any(self.capture_plan_for(1).releases_before)
+        #: what `erase_fx.compile_step` may choose for it (`erase_fx.emit.capture_scope`)
+        self.tunables = Tunables(
+            release_lag=release_lag == AUTO and self.lag_matters,
+            side_streams=len(self.side_streams) if side_cuda_streams == AUTO else 0)
         #: per caller of `add_completion_hooks`: its begin hook and its hooks by step
         self.hook_clients: tuple[tuple[BeginHook, dict[int, tuple[CompletionHook, ...]]], ...] = ()
         #: the steps of blocks at the graph's end, and whether they run at the forward's end
@@ -296,6 +305,7 @@ class StreamProgram(Boxed):
             began = [(begin(args), hooks) for begin, hooks in self.hook_clients]
             contexts = [(c, hooks) for c, hooks in began if c is not None] or None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
+        meet(self)  # a compile_step warming up or capturing sets what "auto" runs with
         plan, streams = self._choice()
         if contexts is not None:
             self._complete(-1, env, contexts, streams)
@@ -333,15 +343,19 @@ class StreamProgram(Boxed):
         self.graph_end.pending += streams.defer(sorted(deferred),
                                                 [results[i] for i in self.graph_end_results])
 
+    def tune(self, choice: CaptureChoice) -> None:
+        """Run the options built with "auto" with ``choice`` from the next call on (set by
+        `erase_fx.compile_step` through its `erase_fx.emit.capture_scope.StepScope`)."""
+        self.tuned = choice
+
     def _choice(self) -> tuple[CapturePlan, StreamOps]:
         """This call's release plan (used under capture) and streams: the options', or, for
-        those set to "auto", the open capture trial's (`auto_choice`)."""
+        those set to "auto", the values `tune` set."""
         lag, width = self.release_lag, self.side_cuda_streams
-        if AUTO in (lag, width):
-            choice = auto_choice(lag == AUTO and self.lag_matters,
-                                 len(self.side_streams) if width == AUTO else 0)
-            lag = choice.lag if lag == AUTO else lag
-            width = choice.width if width == AUTO else width
+        if lag == AUTO:
+            lag = self.tuned.lag
+        if width == AUTO:
+            width = self.tuned.width
         if width is None:
             return self.capture_plan_for(lag), self.streams
         if width not in self._folded:
