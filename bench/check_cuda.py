@@ -247,7 +247,7 @@ def stress(cfg, steps, device, graphs, release_lag=None):
         base = DetachedChain(cfg).to(device)
         multi_model, single_model = copy.deepcopy(base), copy.deepcopy(base)
         multi = compile_erase(multi_model, inner="inductor", cudagraphs=graphs,
-                              release_lag=release_lag)
+                              tuning={"release_lag": release_lag})
         single = compile_erase(single_model, inner="inductor", cudagraphs=graphs, overlap=False)
         differing = 0
         generator = torch.Generator(device=device).manual_seed(0)

@@ -126,7 +126,7 @@ VARIANTS = ("stock64", "stock", "erase", "erase-nographs")
 #: name -> erase options beside the defaults. GoogLeNet's two aux parts are 2.6% of the
 #: backward each, under the cost check's ``min_part_share``: forced early, so this check
 #: covers gradient parts on a real model (with the defaults it would compare stock to stock).
-ERASE_OPTIONS: dict[str, dict] = {"tv-googlenet-aux": {"min_part_share": 0.0}}
+ERASE_OPTIONS: dict[str, dict] = {"tv-googlenet-aux": {"tuning": {"min_part_share": 0.0}}}
 
 
 def compile_variant(name: str, model: nn.Module, erase_options: dict | None = None) -> Callable:

@@ -48,7 +48,7 @@ gradient accumulation over two micro-batches, one optimizer per model,
    race between streams varies from run to run);
 11. ``determinism-gpt`` (not in the default list: minutes with ``--steps 400``,
    2,000 steps): erase on gpt:16:384:256:8, whose side streams write each
-   block's logits gradient over its logits (`EraseConfig.keep_inplace_writes`),
+   block's logits gradient over its logits (`Tuning.keep_inplace_writes`),
    trained twice, once with every segment on the main stream
    (``overlap=False``: the same kernels) and once with its side streams folded
    onto 2 CUDA streams (``side_cuda_streams=2``: blocks sharing a stream reuse
@@ -605,7 +605,7 @@ def check_bitwise(report, title, first, other):
 
 def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
     """erase on a transformer chain whose side streams write their logits' gradients in place
-    (`EraseConfig.keep_inplace_writes`), in deterministic mode: trained twice, and against the
+    (`Tuning.keep_inplace_writes`), in deterministic mode: trained twice, and against the
     same segments and kernels on the main stream alone (``overlap=False``) and on 2 CUDA
     streams (``side_cuda_streams=2``): all bitwise equal. A race (a stream reading memory
     another still writes) varies from run to run."""
@@ -622,7 +622,7 @@ def check_determinism_gpt(report, device, steps, config="gpt:16:384:256:8"):
         alone = train_in_step(base, batches, options={"overlap": False})
         # NB: the defaults tune, and on gpt:16 keep a CUDA stream per side stream; folded
         # onto 2, two blocks share each stream and reuse each other's memory under capture
-        folded = train_in_step(base, batches, options={"side_cuda_streams": 2})
+        folded = train_in_step(base, batches, options={"tuning": {"side_cuda_streams": 2}})
     for label, other in (("run twice", second), ("against one stream", alone),
                          ("against its side streams folded onto 2 CUDA streams", folded)):
         check_bitwise(report, f"erase on {config}, compile_step, {len(batches)} steps, {label}",
@@ -647,15 +647,15 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
     base, batches = loaded
     with deterministic_algorithms():
         train_in_step(base, batches[:2])  # NB: the process's first compile autotunes
-        auto = train_in_step(base, batches, options={"release_lag": "auto",
-                                                      "side_cuda_streams": "auto"})
+        auto = train_in_step(base, batches, options={"tuning": {"release_lag": "auto",
+                                                                "side_cuda_streams": "auto"}})
         step = auto[1]
         # NB: only the chosen graph's pool may remain: the candidates' graphs were dropped
         gc.collect()
         torch.cuda.empty_cache()
         pools = graph_pools()
-        held = train_in_step(base, batches, options={"release_lag": None,
-                                                      "side_cuda_streams": None})
+        held = train_in_step(base, batches, options={"tuning": {"release_lag": None,
+                                                                "side_cuda_streams": None}})
     tunings = step.capture_tunings
     measured = "; ".join(m.describe() for m in tunings[0].measured) if tunings else "none"
     chosen = [m for m in tunings[0].measured if m.choice == tunings[0].chosen] if tunings else []

@@ -34,25 +34,26 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   stream, same segments and kernels: what the overlap alone is worth),
   ``/streams=N`` (N side streams; ``/streams=0``: no side stream, the
   forward compiled as one graph), ``/release-lag=N`` (``options=
-  {"release_lag": N}``: under capture, memory released N segments after its
+  {"tuning": {"release_lag": N}}``, a tuning setting as the rest below:
+  under capture, memory released N segments after its
   last reader instead of at the join; ``/release-lag=none``: at the join;
   ``=auto``, the default: ``compile_step`` times the candidates and keeps
   one, `erase_fx.capture_tuning`), ``/side-cuda-streams=N``, ``=none`` and
-  ``=auto`` (`EraseConfig.side_cuda_streams`),
+  ``=auto`` (`Tuning.side_cuda_streams`),
   ``/stages-on-main`` and
-  ``/stages-on-side`` (``options={"stages_on_side": False}`` or ``True``: each
+  ``/stages-on-side`` (``stages_on_side=False`` or ``True``: each
   block's stage on the main stream, or on the block's side stream, whatever
   the default's rule decides), ``/shared-input-values``
-  (``options={"copy_input_values": False}``: large values made from the
+  (``copy_input_values=False``: large values made from the
   inputs alone shared between blocks, as the partitioner left them),
-  ``/no-recompute`` (``options={"recompute_boundary_values": False}``: each
+  ``/no-recompute`` (``recompute_boundary_values=False``: each
   block's segment reads every value across its boundary instead of
   recomputing the cheap elementwise ones: what the recomputation saves or
   loses; ``/recompute``, ``True``, the default since 2026-12-02, names the
   rows measured before),
-  ``/all-parts`` (``options={"min_part_share": 0.0}``: every gradient part
+  ``/all-parts`` (``min_part_share=0.0``: every gradient part
   early, however small: what the cost check on parts saves or loses),
-  ``/stock-fusion`` (``options={"keep_inplace_writes": False}``: side-stream
+  ``/stock-fusion`` (``keep_inplace_writes=False``: side-stream
   segments fused as Inductor chooses: what keeping large in-place writes
   possible saves in memory or costs in time),
   several of these one after another (``/streams=2/stages-on-main``: each
@@ -106,15 +107,17 @@ HAND_CAPTURES = ("graph", "step-graph")
 #: Each named control -> the backend options it sets (and streams=N, release-lag=N).
 CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "one-stream": {"overlap": False},
-    "stages-on-main": {"stages_on_side": False},
-    "stages-on-side": {"stages_on_side": True},
-    "shared-input-values": {"copy_input_values": False},
-    "recompute": {"recompute_boundary_values": True},
-    "no-recompute": {"recompute_boundary_values": False},
-    "all-parts": {"min_part_share": 0.0},
-    "stock-fusion": {"keep_inplace_writes": False},
+    "stages-on-main": {"tuning": {"stages_on_side": False}},
+    "stages-on-side": {"tuning": {"stages_on_side": True}},
+    "shared-input-values": {"tuning": {"copy_input_values": False}},
+    "recompute": {"tuning": {"recompute_boundary_values": True}},
+    "no-recompute": {"tuning": {"recompute_boundary_values": False}},
+    "all-parts": {"tuning": {"min_part_share": 0.0}},
+    "stock-fusion": {"tuning": {"keep_inplace_writes": False}},
     "aot_eager": {"inner": "aot_eager"},
 }
+#: The numbered controls that set a tuning setting (`erase_fx.config.Tuning`), not an option.
+TUNING_CONTROLS = ("release-lag", "side-cuda-streams")
 #: Each named control of ``+step`` variants -> the ``compile_step`` options it sets.
 STEP_CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "early-optimizer": {"early_optimizer": True},
@@ -212,7 +215,7 @@ class Variant:
                 if one in STEP_CONTROL_OPTIONS and capture != "step":
                     raise ValueError(f"variant {name!r}: /{one} is an option of compile_step: "
                                      "it applies to +step variants only")
-                for key in _control_options(one):
+                for key in _option_names(_control_options(one)):
                     if key in changed:
                         raise ValueError(f"variant {name!r}: controls {changed[key]!r} and "
                                          f"{one!r} both set {key}")
@@ -249,7 +252,7 @@ class Variant:
         """The backend options of an erase variant: the defaults, then each control's."""
         options: dict[str, Any] = {"inner": "inductor", "cudagraphs": self.capture == "graphs"}
         for one in self.controls:
-            options.update(_control_options(one))
+            options = merge_options(options, _control_options(one))
         return options
 
     @property
@@ -296,7 +299,21 @@ def _control_options(control: str) -> dict[str, Any]:
         return {}
     key, value = control.split("=")
     named = {"auto": "auto", "none": None}
-    return {key.replace("-", "_"): named[value] if value in named else int(value)}
+    option = {key.replace("-", "_"): named[value] if value in named else int(value)}
+    return {"tuning": option} if key in TUNING_CONTROLS else option
+
+
+def merge_options(options: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``options`` updated with ``more``, their tuning settings (``"tuning"``) merged too."""
+    merged = {**options, **more}
+    if "tuning" in options and "tuning" in more:
+        merged["tuning"] = {**options["tuning"], **more["tuning"]}
+    return merged
+
+
+def _option_names(options: dict[str, Any]) -> list[str]:
+    """The options and the tuning settings ``options`` sets, each by its own name."""
+    return [key for key in options if key != "tuning"] + list(options.get("tuning", {}))
 
 
 def judged_erase(name: str) -> bool:

@@ -30,7 +30,7 @@ stream is reused only by that stream, so the step's pool needs about their
 sum, plus what the segments allocate inside (not seen here: a head's
 log-softmax within a block's segment, say). ``--streams 4,2`` compares side
 stream counts; ``--side-cuda-streams N`` gives the peaks of the CUDA streams
-the side streams are folded onto (`EraseConfig.side_cuda_streams`);
+the side streams are folded onto (`Tuning.side_cuda_streams`);
 ``--largest N`` lists, after the table, the N largest values each row holds
 at the join (kind, dtype and shape, the segment that made
 them; a storage several slots share counts once, as its longest-held slot's
@@ -253,8 +253,9 @@ def measure(text: str, device: torch.device, inner: str = "inductor",
     model, inputs = build_config(parse_config(text), device)
     fn = torch.compile(model, backend="erase",
                        options={"on_error": "raise", "cudagraphs": False, "inner": inner,
-                                "stages_on_side": stages_on_side, "streams": streams,
-                                "side_cuda_streams": side_cuda_streams})
+                                "streams": streams,
+                                "tuning": {"stages_on_side": stages_on_side,
+                                           "side_cuda_streams": side_cuda_streams}})
     with recording() as found:
         fn(*inputs).backward()
     total = Held(dict.fromkeys(KINDS, 0), {})
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
                         help="comma-separated side-stream counts to compare")
     parser.add_argument("--side-cuda-streams", type=int, default=None, metavar="N",
                         help="fold the side streams onto N CUDA streams "
-                        "(EraseConfig.side_cuda_streams): the stream peaks are theirs")
+                        "(Tuning.side_cuda_streams): the stream peaks are theirs")
     parser.add_argument("--largest", type=int, default=0, metavar="N",
                         help=f"after the table, the N (at most {LARGEST}) largest values each "
                         "row holds at the join, the forward's returns left out")

@@ -3,14 +3,14 @@
 Why: under CUDA graph capture memory goes back to a stream only for its own
 reuse, so two choices decide a captured step's memory and neither is free:
 
-- ``EraseConfig.release_lag``: a block's activations that the main stream
+- ``Tuning.release_lag``: a block's activations that the main stream
   made and its early backward read on a side stream are held to the join at
   the end of the forward, unless the main stream waits for the side stream
   and frees them N main segments later (`erase_fx.emit.release`). The wait
-  costs time where the side stream is still busy (H200: ``release_lag=2``
-  took the DGL ViT from 1.34x to 0.88x of stock's step memory for 1% of
-  time, and cost DGL ResNet-18 12% for nothing);
-- ``EraseConfig.side_cuda_streams``: each CUDA stream keeps its own memory
+  costs time where the side stream is still busy, and saves memory only
+  where those activations set the pool's peak (what it did on the measured
+  models: ``docs/performance.md``, "Tuning settings");
+- ``Tuning.side_cuda_streams``: each CUDA stream keeps its own memory
   pool and cuBLAS workspace, and the pools add up; folding the side streams
   onto fewer CUDA streams (`erase_fx.emit.streams`) makes blocks share them,
   and costs time where those blocks would have overlapped.

@@ -323,7 +323,7 @@ class GraphCompilation:
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(
                 segmented, fw, example_inputs, inductor_kwargs,
-                keep_inplace_writes=self.cfg.keep_inplace_writes)
+                keep_inplace_writes=self.cfg.tuning.keep_inplace_writes)
         else:
             compiled = {
                 segment.name: compile_segment(
@@ -338,8 +338,8 @@ class GraphCompilation:
             streams = VirtualStreams()
         else:
             streams = CudaStreams(device, self.cfg.streams)
-        program = StreamProgram.build(segmented, compiled, streams, self.cfg.release_lag,
-                                      self.cfg.side_cuda_streams)
+        program = StreamProgram.build(segmented, compiled, streams, self.cfg.tuning.release_lag,
+                                      self.cfg.tuning.side_cuda_streams)
         if program.graph_end is not None:
             if any(i < self.num_fwd_outputs for i in program.graph_end_results):
                 raise GraphInvariantError("emit", "a block at the graph's end makes a value the "

@@ -57,14 +57,30 @@ class EraseOptionError(EraseError, ValueError):
         )
 
     @classmethod
-    def unknown(cls, names: Iterable[str], allowed: Mapping[str, Any]) -> EraseOptionError:
+    def unknown(cls, names: Iterable[str], allowed: Mapping[str, Any],
+                what: str = "option") -> EraseOptionError:
+        """``names`` are not among ``allowed`` (each name and its default), which the message
+        lists; ``what``: what they are called (an option, a tuning setting)."""
         err = cls.__new__(cls)
         listing = ", ".join(f"{k} (default {v!r})" for k, v in allowed.items())
         EraseError.__init__(
             err,
             "options",
-            f"unknown option(s) {', '.join(repr(n) for n in names)}",
-            fix=f"use only the allowed options: {listing}",
+            f"unknown {what}(s) {', '.join(repr(n) for n in names)}",
+            fix=f"use only the allowed {what}s: {listing}",
+        )
+        return err
+
+    @classmethod
+    def moved_to_tuning(cls, name: str, value: Any) -> EraseOptionError:
+        """``name``, given at the top level of the options, is a tuning setting now."""
+        err = cls.__new__(cls)
+        EraseError.__init__(
+            err,
+            "options",
+            f"{name} is a tuning setting now: options={{'tuning': {{{name!r}: {value!r}}}}}",
+            fix="pass it under 'tuning' (erase_fx.config.Tuning lists the tuning settings; "
+                "docs/performance.md, 'Tuning settings', says what each trades)",
         )
         return err
 

@@ -163,18 +163,18 @@ class GraphReport:
         streams: how many side streams the config allows.
         inner: the inner compiler.
         stages_on_side: the blocks' stages run on their side streams
-            (`EraseConfig.stages_on_side`; blocks in pieces keep theirs on the
+            (`Tuning.stages_on_side`; blocks in pieces keep theirs on the
             main stream).
         input_copies: how many values made from the inputs alone (a
             cross-entropy's mask of the labels) each block that reads them
-            makes itself instead of sharing one (`EraseConfig.copy_input_values`);
+            makes itself instead of sharing one (`Tuning.copy_input_values`);
             set once the forward is compiled.
         input_copy_bytes: the bytes of those values, summed (the values
             early nodes read; large values their copies are made through, a
             mask the row sums are taken of, are not counted again).
         recomputed_values: how many values the block segments recompute
             instead of reading them across their segment boundaries
-            (`EraseConfig.recompute_boundary_values`); set once the forward is
+            (`Tuning.recompute_boundary_values`); set once the forward is
             compiled.
         boundary_bytes_before: the bytes the block segments read across their
             boundaries before that recomputation, summed over the segments

@@ -6,7 +6,7 @@ as well as the forward), and so does the part of the forward only that block
 needs: its local head and loss, the loss's tail included (the gather, mean
 and scaling that Inductor's decompositions leave after a saved log-softmax),
 so that only the scalar loss crosses to the main stream. With
-``cfg.stages_on_side`` (by default when there are more early blocks than
+``cfg.tuning.stages_on_side`` (by default when there are more early blocks than
 side streams: `stages_go_to_side_streams`) the block's own **stage** runs
 there too, before its head: the forward nodes
 block ``b`` needs that no block launched before it needs
@@ -107,7 +107,7 @@ def stream_of_block(block: int, cfg: EraseConfig) -> int:
 def assign_streams(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Annotate a forward module with streams and sync points; see the module docstring.
 
-    Reads ``ctx.cfg.streams`` and ``ctx.cfg.stages_on_side``.
+    Reads ``ctx.cfg.streams`` and ``ctx.cfg.tuning.stages_on_side``.
     """
     cfg = ctx.cfg
     new_gm, _ = clone_module(gm)
@@ -155,7 +155,7 @@ def assign_streams(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def stages_go_to_side_streams(cfg: EraseConfig, num_blocks: int) -> bool:
-    """Whether blocks' stages run on their side streams (`EraseConfig.stages_on_side`).
+    """Whether blocks' stages run on their side streams (`Tuning.stages_on_side`).
 
     ``None`` (auto): when there are more early blocks than side streams, so
     that a side stream runs several blocks and reuses the memory of one
@@ -168,9 +168,9 @@ def stages_go_to_side_streams(cfg: EraseConfig, num_blocks: int) -> bool:
     """
     if cfg.streams < 2:
         return False  # NB: a block's stage would queue behind the block before it
-    if cfg.stages_on_side is None:
+    if cfg.tuning.stages_on_side is None:
         return num_blocks > cfg.streams
-    return cfg.stages_on_side
+    return cfg.tuning.stages_on_side
 
 
 def _move_shared_early_nodes_to_main(nodes: list[fx.Node], owner: dict,

@@ -44,7 +44,7 @@ while every other block's loss read it from there (gpt-soft:16:384:256:8:
 the last block's loss is made right before that loss, on the stream that
 reads it, so Inductor can fuse its chain into the loss's kernel.
 
-``EraseConfig.copy_input_values=False`` turns the pass off (the input comes
+``Tuning.copy_input_values=False`` turns the pass off (the input comes
 back unchanged).
 
 Invariants out (`check_input_values_per_block`): a new module (the input
@@ -230,10 +230,10 @@ def copy_input_values_per_block(gm: fx.GraphModule,
                                 ctx: PassContext) -> PassResult[InputValueCopies]:
     """Give each block its own copy of the shared input-only values; see the module docstring.
 
-    Reads ``ctx.cfg.copy_input_values``.
+    Reads ``ctx.cfg.tuning.copy_input_values``.
     """
     unchanged = PassResult(gm, modified=False, artifact=InputValueCopies({}))
-    if not ctx.cfg.copy_input_values:
+    if not ctx.cfg.tuning.copy_input_values:
         return unchanged
     # NB: the clone is analysed (once) and edited; with nothing to copy the input goes on
     new_gm, _ = clone_module(gm)
@@ -412,8 +412,9 @@ def _made_before_readers(graph: fx.Graph, late: set[fx.Node]) -> list[fx.Node]:
 
 
 def check_input_values_per_block(result: PassResult[InputValueCopies], ctx: PassContext) -> None:
-    """The invariants in the module docstring (none with ``ctx.cfg.copy_input_values`` off)."""
-    if not ctx.cfg.copy_input_values:
+    """The invariants in the module docstring (none with ``ctx.cfg.tuning.copy_input_values``
+    off)."""
+    if not ctx.cfg.tuning.copy_input_values:
         return
     analysis = _Analysis.of(result.gm.graph)
     left = analysis.values_to_copy()

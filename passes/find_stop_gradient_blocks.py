@@ -35,7 +35,7 @@ How:
      the others as *partial* outputs; those sums and what follows them stay
      in the backward (``joins_blocks``). A part must also be worth its
      boundary: one whose estimated backward FLOPs are under
-     ``cfg.min_part_share`` of the whole backward's stays in the backward
+     ``cfg.tuning.min_part_share`` of the whole backward's stays in the backward
      (``small_part``, the cost check below). The reasons say, in the model's
      module names, which loss terms meet where, and why a part cannot run
      early;
@@ -261,7 +261,7 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     Args:
         gm: AOTAutograd's joint graph (``primals_*``, ``tangents_*`` inputs;
             forward outputs then one gradient per primal).
-        ctx: ``cfg.min_part_share``, the smallest share of the backward's
+        ctx: ``cfg.tuning.min_part_share``, the smallest share of the backward's
             estimated FLOPs a gradient part runs early with; and, given:
             ``num_fwd_outputs``, how many of the outputs are forward outputs;
             ``primal_names`` (optional), a name per primal (e.g. a parameter's
@@ -281,7 +281,7 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
-                                        ctx.cfg.min_part_share, graph_end)
+                                        ctx.cfg.tuning.min_part_share, graph_end)
     early.sort(key=facts.order)
     blocks = []
     for i, comp in enumerate(early):

@@ -51,7 +51,7 @@ class NodeMeta:
         stage: a forward node of the block's own stage (``block`` set): the
             forward whose activations the block's early backward reads, run
             on the block's side stream before its head
-            (``EraseConfig.stages_on_side``), so those activations are made,
+            (``Tuning.stages_on_side``), so those activations are made,
             read and freed on one stream. Other streams read only the
             stage's values they need (its output), once it has run.
         at_graph_end: a node of a block whose backward is ready only when the

@@ -2,7 +2,7 @@
 
 What: splits the rewritten joint graph into forward and backward modules with
 torch's own partitioner (``min_cut_rematerialization_partition`` or
-``default_partition``, per ``cfg.partitioner``).
+``default_partition``, per ``cfg.tuning.partitioner``).
 
 Why a wrapper: the early gradients are read only by the backward
 (``mul(early_grad, T)``), so a partitioner is free to recompute them there,
@@ -80,9 +80,9 @@ def stock_partition(
     stock Inductor, ``compiler="inductor"``, which min-cut's recomputation
     choices depend on and the default partitioner does not take.
     """
-    if cfg.partitioner != "min_cut":
+    if cfg.tuning.partitioner != "min_cut":
         kwargs.pop("compiler", None)
-    return STOCK_PARTITIONERS[cfg.partitioner](
+    return STOCK_PARTITIONERS[cfg.tuning.partitioner](
         gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
     )
 
@@ -90,7 +90,7 @@ def stock_partition(
 def partition_joint_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult[JointPartition]:
     """Forward and backward modules with every early gradient in the forward.
 
-    Reads ``ctx.cfg.partitioner`` and, given, AOTAutograd's ``joint_inputs``,
+    Reads ``ctx.cfg.tuning.partitioner`` and, given, AOTAutograd's ``joint_inputs``,
     ``num_fwd_outputs`` and ``partition_kwargs`` (optional), handed to the stock
     partitioner (`stock_partition`). The pipeline checks the result with
     `check_partition`.

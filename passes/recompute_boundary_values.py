@@ -40,7 +40,7 @@ API; `python -m bench.segment_cost` measures it). Recomputed, such a value costs
 an elementwise pass over a smaller input, fused into the block's kernels, and
 the value is never held.
 
-``EraseConfig.recompute_boundary_values=False`` turns the pass off (the
+``Tuning.recompute_boundary_values=False`` turns the pass off (the
 input comes back unchanged).
 
 Invariants out (`check_boundary_values`): the stream assignment's
@@ -313,10 +313,10 @@ def recompute_boundary_values(gm: fx.GraphModule,
                               ctx: PassContext) -> PassResult[BoundaryRecomputes]:
     """Recompute each block segment's cheap boundary values in it; see the module docstring.
 
-    Reads ``ctx.cfg.recompute_boundary_values``.
+    Reads ``ctx.cfg.tuning.recompute_boundary_values``.
     """
     unchanged = PassResult(gm, modified=False, artifact=BoundaryRecomputes({}))
-    if not ctx.cfg.recompute_boundary_values:
+    if not ctx.cfg.tuning.recompute_boundary_values:
         return unchanged
     new_gm, _ = clone_module(gm)
     graph = new_gm.graph
@@ -402,9 +402,9 @@ def _erase_unread(graph: fx.Graph, candidates: Iterable[fx.Node]) -> None:
 
 
 def check_boundary_values(result: PassResult[BoundaryRecomputes], ctx: PassContext) -> None:
-    """The invariants in the module docstring (none with ``ctx.cfg.recompute_boundary_values``
-    off)."""
-    if not ctx.cfg.recompute_boundary_values:
+    """The invariants in the module docstring (none with
+    ``ctx.cfg.tuning.recompute_boundary_values`` off)."""
+    if not ctx.cfg.tuning.recompute_boundary_values:
         return
     graph = result.gm.graph
     check_stream_assignment(result, ctx)

@@ -24,7 +24,7 @@ segment. So the main stream is cut only where a block becomes ready::
     seg_5_stream_0_after_join   waits for the side streams; the loss sum
     output                      join: the main stream waits for every side stream
 
-With the stages on side streams (``EraseConfig.stages_on_side``)::
+With the stages on side streams (``Tuning.stages_on_side``)::
 
     seg_0_block_0_stage_stream_1    stage 0 forward                     (side stream 1)
     seg_1_block_0_stream_1          head 0, loss 0, block 0's backward  (side stream 1)

@@ -4,7 +4,7 @@ import importlib
 import pytest
 import torch
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
@@ -49,7 +49,7 @@ def test_blocks_go_round_robin_over_side_streams(streams, expected):
 @pytest.mark.parametrize("stages_on_side", [False, True])
 def test_syncs_are_recorded_on_every_cross_stream_edge(stages_on_side):
     stages = Stages(Chain(3), chain_inputs(),
-                    EraseConfig(inner="aot_eager", stages_on_side=stages_on_side))
+                    EraseConfig(inner="aot_eager", tuning=Tuning(stages_on_side=stages_on_side)))
     gm = stages.assigned.gm
     for node in gm.graph.nodes:
         meta = get_meta(node)
@@ -66,7 +66,8 @@ def test_syncs_are_recorded_on_every_cross_stream_edge(stages_on_side):
 
 
 def test_heads_and_local_losses_run_on_their_block_stream_and_the_sum_after_the_join():
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=False))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager",
+                                                          tuning=Tuning(stages_on_side=False)))
     gm = stages.assigned.gm
     side_forward = {}
     for node in gm.graph.nodes:
@@ -122,7 +123,8 @@ def test_local_loss_tails_run_in_their_block_so_only_scalars_cross_the_join():
     processing between heads. The tail of each early block's loss runs on the block's
     stream: the main stream reads only the scalar loss after the join, never a head's
     batch x classes activations (which would live until the end of the forward)."""
-    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor", stages_on_side=False),
+    stages = Stages(Chain(4), chain_inputs(), EraseConfig(inner="inductor",
+                                                          tuning=Tuning(stages_on_side=False)),
                     inner="inductor")
     gm = stages.assigned.gm
     crossing = main_reads_of_side_values(gm)
@@ -147,7 +149,7 @@ def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_blo
     early block's head, so that loss reads no block value but its scalar."""
     torch.manual_seed(0)
     stages = Stages(SoftLabelChain(blocks, classes=8192), chain_inputs(batch=64, classes=8192),
-                    EraseConfig(inner=inner, stages_on_side=False), inner=inner)
+                    EraseConfig(inner=inner, tuning=Tuning(stages_on_side=False)), inner=inner)
     assert stages.copied.modified  # the copies that moved the launch point before the targets
     crossing = main_reads_of_side_values(stages.assigned.gm)
     assert crossing and all(shape == () for _, shape in crossing), crossing
@@ -232,7 +234,8 @@ def test_shared_soft_targets_never_delay_the_block(copy_input_values, monkeypatc
     def stages():
         torch.manual_seed(0)
         return Stages(LateSharedSoftTargets(), chain_inputs(batch=64, classes=8192),
-                      EraseConfig(inner="aot_eager", copy_input_values=copy_input_values))
+                      EraseConfig(inner="aot_eager",
+                                  tuning=Tuning(copy_input_values=copy_input_values)))
 
     block, product = _block_launch_index(stages())
     assert block < product
@@ -256,7 +259,8 @@ def test_each_early_blocks_stage_runs_on_its_stream_so_its_activations_never_cro
     """With `stages_on_side` block b's stage runs on b's side stream before its
     head: what its early backward reads is made on that stream, and other streams read only
     the stage's output (the next stage's input) and scalars."""
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=True))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager",
+                                                          tuning=Tuning(stages_on_side=True)))
     gm = stages.assigned.gm
     stage, rest = _stage_and_block_nodes(gm)
     assert set(stage) == set(rest) == {0, 1}
@@ -281,8 +285,8 @@ def test_each_early_blocks_stage_runs_on_its_stream_so_its_activations_never_cro
 
 
 @pytest.mark.parametrize("cfg", [
-    EraseConfig(inner="aot_eager", stages_on_side=False, streams=2),
-    EraseConfig(inner="aot_eager", stages_on_side=True, streams=1),
+    EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=False)),
+    EraseConfig(inner="aot_eager", streams=1, tuning=Tuning(stages_on_side=True)),
     EraseConfig(inner="aot_eager", streams=4),
 ], ids=["off", "one-side-stream", "auto-a-block-per-stream"])
 def test_stages_stay_on_the_main_stream_when_off_with_one_side_stream_or_a_block_per_stream(cfg):
@@ -301,7 +305,8 @@ def test_by_default_stages_go_to_side_streams_when_blocks_outnumber_them():
 
 
 def test_check_catches_a_stage_that_reads_a_blocks_head():
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", stages_on_side=True))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager",
+                                                          tuning=Tuning(stages_on_side=True)))
     gm, _ = clone_module(stages.assigned.gm)
     stage, rest = _stage_and_block_nodes(gm)
     head = next(n for n in rest[0] if get_meta(n).role is Role.FORWARD)

@@ -27,7 +27,7 @@ AUX2 = tuple(p.replace("aux1", "aux2") for p in AUX1)
 AUX = tuple(f"aux.{i}.{w}" for i in (0, 2) for w in ("weight", "bias"))
 #: Every part early, however small: the tests of how parts are split and run. The cost
 #: check that keeps small parts in the backward by default has its own section below.
-ALL_PARTS = {"min_part_share": 0.0}
+ALL_PARTS = {"tuning": {"min_part_share": 0.0}}
 
 
 def explained(model, inputs, **options):
@@ -116,9 +116,9 @@ def test_min_part_share_is_the_line_between_early_and_kept():
     share = part.flops / every.backward_flops
     assert 0.05 < share < 1  # the default runs it early
     (below,) = erase_fx.explain(AuxTrunk(2), *chain_inputs(),
-                                erase_options={"min_part_share": share * 0.99})
+                                erase_options={"tuning": {"min_part_share": share * 0.99}})
     (above,) = erase_fx.explain(AuxTrunk(2), *chain_inputs(),
-                                erase_options={"min_part_share": share * 1.01})
+                                erase_options={"tuning": {"min_part_share": share * 1.01}})
     assert [b.params for b in below.blocks] == [AUX]
     assert above.blocks == () and above.rejected[0].reason == RejectReason.SMALL_PART
 
@@ -126,7 +126,7 @@ def test_min_part_share_is_the_line_between_early_and_kept():
 def test_whole_blocks_are_not_held_to_min_part_share():
     # each block of a detached chain is a whole component: early at any share
     (report,) = erase_fx.explain(Chain(4), *chain_inputs(),
-                                 erase_options={"min_part_share": 1.0})
+                                 erase_options={"tuning": {"min_part_share": 1.0}})
     assert len(report.blocks) == 3
 
 

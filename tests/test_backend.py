@@ -114,7 +114,7 @@ def test_parts_of_gradients_summed_in_the_backward_equal_eager(
                  else {} if loss_of else {"rtol": 0, "atol": 0})
     kwargs = {"loss_of": loss_of} if loss_of else {}
     # NB: head 1's part of TwoBlockNoDetach is under the default min_part_share
-    options = {"inner": inner, "min_part_share": 0.0}
+    options = {"inner": inner, "tuning": {"min_part_share": 0.0}}
     (report,) = reports_of(lambda: check_parity(model(), inputs, options=options,
                                                 steps=2, **kwargs, **tolerance))
     assert len(report.blocks) == blocks

@@ -81,31 +81,33 @@ def test_erase_options_of_the_controls():
         "inner": "inductor", "cudagraphs": False, "overlap": False}
     assert Variant.parse("erase+graphs/streams=2").erase_options["streams"] == 2
     assert Variant.parse("erase/aot_eager").erase_options["inner"] == "aot_eager"
-    assert Variant.parse("erase+step/stages-on-main").erase_options["stages_on_side"] is False
-    assert Variant.parse("erase+step/stages-on-side").erase_options["stages_on_side"] is True
-    assert Variant.parse("erase+step/shared-input-values").erase_options[
+    assert Variant.parse("erase+step/stages-on-main").erase_options["tuning"]["stages_on_side"] is False
+    assert Variant.parse("erase+step/stages-on-side").erase_options["tuning"]["stages_on_side"] is True
+    assert Variant.parse("erase+step/shared-input-values").erase_options["tuning"][
         "copy_input_values"] is False
-    assert Variant.parse("erase+step/all-parts").erase_options["min_part_share"] == 0.0
-    assert Variant.parse("erase+step/recompute").erase_options[
+    assert Variant.parse("erase+step/all-parts").erase_options["tuning"]["min_part_share"] == 0.0
+    assert Variant.parse("erase+step/recompute").erase_options["tuning"][
         "recompute_boundary_values"] is True
-    assert Variant.parse("erase+step/no-recompute").erase_options[
+    assert Variant.parse("erase+step/no-recompute").erase_options["tuning"][
         "recompute_boundary_values"] is False
     assert Variant.parse("erase+step/release-lag=3").erase_options == {
-        "inner": "inductor", "cudagraphs": False, "release_lag": 3}
-    assert Variant.parse("erase+step/release-lag=auto").erase_options["release_lag"] == "auto"
+        "inner": "inductor", "cudagraphs": False, "tuning": {"release_lag": 3}}
+    assert Variant.parse("erase+step/release-lag=auto").erase_options["tuning"][
+        "release_lag"] == "auto"
     assert Variant.parse("erase+step/release-lag=auto/side-cuda-streams=auto").erase_options[
-        "side_cuda_streams"] == "auto"
+        "tuning"] == {"release_lag": "auto", "side_cuda_streams": "auto"}
     assert Variant.parse("erase+step/side-cuda-streams=2").erase_options[
-        "side_cuda_streams"] == 2
+        "tuning"]["side_cuda_streams"] == 2
     both_none = Variant.parse("erase+step/release-lag=none/side-cuda-streams=none")
-    assert both_none.erase_options == {"inner": "inductor", "cudagraphs": False,
-                                       "release_lag": None, "side_cuda_streams": None}
+    assert both_none.erase_options == {
+        "inner": "inductor", "cudagraphs": False,
+        "tuning": {"release_lag": None, "side_cuda_streams": None}}
 
 
 def test_controls_chain_and_may_not_set_one_option_twice():
     variant = Variant.parse("erase+step/streams=2/stages-on-main")
     assert variant.erase_options == {"inner": "inductor", "cudagraphs": False, "streams": 2,
-                                     "stages_on_side": False}
+                                     "tuning": {"stages_on_side": False}}
     assert str(variant) == "erase+step/streams=2/stages-on-main"
     assert not harness.judged_erase(str(variant))
     assert variant.stock() == ("inductor+step",)

@@ -78,7 +78,7 @@ def test_the_largest_held_values_name_their_kind_and_the_segment_that_made_them(
 
 
 def test_folded_side_streams_peak_on_the_cuda_streams_they_run_on(held):
-    """`EraseConfig.side_cuda_streams`: the side streams on one CUDA stream hold their
+    """`Tuning.side_cuda_streams`: the side streams on one CUDA stream hold their
     blocks' values in one pool, whose peak is less than the sum of theirs; what is held at
     the join does not change (the release plan is the logical streams')."""
     apart = held[True]

@@ -15,7 +15,7 @@ def test_the_rows_are_bench_variants():
     # the no-recompute control of the one-stream row: that row's options and the pass off
     assert Variant.parse(rows["one stream, segments, no recompute"]).erase_options == {
         **Variant.parse(rows["one stream, segments"]).erase_options,
-        "recompute_boundary_values": False}
+        "tuning": {"recompute_boundary_values": False}}
 
 
 def test_kernel_families_per_step(tmp_path):

@@ -106,5 +106,5 @@ def test_torchvision_dgl_forms_run_their_stages_early(name):
     assert sum(len(r.blocks) for r in reports) == EARLY[name]
     if name in EARLY_ALL_PARTS:
         reports = erase_fx.explain(model, *vision.vision_inputs(2, image),
-                                   erase_options={"min_part_share": 0.0})
+                                   erase_options={"tuning": {"min_part_share": 0.0}})
         assert sum(len(r.blocks) for r in reports) == EARLY_ALL_PARTS[name]

@@ -27,7 +27,7 @@ from erase_fx.capture_tuning import (
     choose,
     next_candidate,
 )
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.emit import capture_scope
 from erase_fx.emit import program as program_module
 from erase_fx.emit.capture_scope import CaptureChoice, StepScope, Tunables
@@ -195,7 +195,8 @@ def build_program(release_lag=None, side_cuda_streams=None, streams=2, trace=Fal
     """Chain(5), stages on the main stream (block activations cross streams): the program, its
     virtual streams and fresh copies of its inputs' list."""
     stages = Stages(GraphChain(5), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=streams, stages_on_side=False))
+                    EraseConfig(inner="aot_eager", streams=streams,
+                                tuning=Tuning(stages_on_side=False)))
     program, stream_ops = build(stages, trace, release_lag, side_cuda_streams)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
@@ -239,7 +240,7 @@ def test_a_program_with_a_fixed_lag_or_nothing_to_release_does_not_ask():
         assert fixed._choice()[0] == fixed.capture_plan_for(2)
     assert met == [T()] and candidates_for(met) == (C(),)
     stages = Stages(GraphChain(5), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+                    EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=True)))
     on_side, _ = build(stages, trace=False, release_lag="auto")
     assert not on_side.lag_matters  # each block's activations are made on its own stream
     assert on_side.tunables == T()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import erase_fx
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import get_meta, pipeline
 from erase_fx.passes.copy_input_values_per_block import (
@@ -33,8 +33,9 @@ CTX = PassContext.of(EraseConfig())
 
 def wide_chain_stages(stages_on_side: bool | None = None, copy_input_values: bool = True) -> Stages:
     torch.manual_seed(0)
-    cfg = EraseConfig(inner="inductor", stages_on_side=stages_on_side,
-                      copy_input_values=copy_input_values)
+    cfg = EraseConfig(inner="inductor",
+                      tuning=Tuning(stages_on_side=stages_on_side,
+                                    copy_input_values=copy_input_values))
     return Stages(SoftLabelChain(3, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
                   cfg, inner="inductor")
 
@@ -136,7 +137,7 @@ def test_gradients_match_stock_inductor_with_copies(blocks, stages_on_side, monk
     inputs = chain_inputs(batch=BATCH, classes=CLASSES)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="erase", options={
-        "inner": "inductor", "on_error": "raise", "stages_on_side": stages_on_side})
+        "inner": "inductor", "on_error": "raise", "tuning": {"stages_on_side": stages_on_side}})
     compiled(*inputs).backward()
     torch._dynamo.reset()
     torch.compile(stock)(*inputs).backward()
@@ -181,7 +182,7 @@ def test_the_report_and_explain_say_what_each_block_copies():
     assert fallen.input_copies == 0 and "own copy" not in format_report(fallen)
     (shared,) = erase_fx.explain(SoftLabelChain(3, classes=CLASSES), *chain_inputs(
         batch=BATCH, classes=CLASSES), erase_options={"inner": "inductor",
-                                                      "copy_input_values": False})
+                                                      "tuning": {"copy_input_values": False}})
     assert shared.input_copies == 0 and "own copy" not in format_report(shared)
 
 
@@ -215,7 +216,8 @@ def test_each_blocks_loss_tail_reads_its_own_copy(stages_on_side):
     the soft targets from another (held until the join under CUDA graph capture)."""
     torch.manual_seed(0)
     stages = Stages(SoftLabelChain(5, classes=CLASSES), chain_inputs(batch=BATCH, classes=CLASSES),
-                    EraseConfig(inner="inductor", streams=4, stages_on_side=stages_on_side),
+                    EraseConfig(inner="inductor", streams=4,
+                                tuning=Tuning(stages_on_side=stages_on_side)),
                     inner="inductor")
     ((original, made),) = stages.copied.artifact.copies.items()
     assert len(made) == 4
@@ -260,7 +262,7 @@ def test_gradients_match_eager_on_fresh_inputs_with_loss_tails_on_copies(stages_
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="erase", options={
         "inner": "inductor", "on_error": "raise", "streams": 4,
-        "stages_on_side": stages_on_side})
+        "tuning": {"stages_on_side": stages_on_side}})
     compiled(*chain_inputs(batch=BATCH, classes=CLASSES)).backward()
     model.zero_grad(set_to_none=True)
     inputs = chain_inputs(batch=BATCH, classes=CLASSES)

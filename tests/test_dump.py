@@ -103,7 +103,7 @@ def test_two_dumps_of_one_model_are_byte_identical_but_for_timings(tmp_path):
 def test_node_comments_say_which_nodes_are_a_stage_and_which_run_after_the_join(tmp_path):
     folder = tmp_path / "stages"
     compiled = torch.compile(Chain(3), backend="erase", options={
-        "inner": "aot_eager", "dump_dir": str(folder), "stages_on_side": True})
+        "inner": "aot_eager", "dump_dir": str(folder), "tuning": {"stages_on_side": True}})
     compiled(*chain_inputs()).backward()
     (graph,) = list(folder.iterdir())
     notes = [line for line in (graph / "06_assign_streams.py").read_text().splitlines()

@@ -132,7 +132,8 @@ def test_segment_failure_falls_back_to_one_stream_with_early_grads_kept(monkeypa
     ({"inner": "tvm"}, "'inductor', 'aot_eager', 'eager'"),
     ({"on_error": "ignore"}, "'fallback', 'raise'"),
     ({"seed": 0.0}, "seed=0.0"),
-    ({"partitioner": "greedy"}, "'min_cut', 'default'"),
+    ({"tuning": {"partitioner": "greedy"}}, "'min_cut', 'default'"),
+    ({"partitioner": "default"}, "partitioner is a tuning setting now"),
     ({"cudagraphs": "yes"}, "cudagraphs=.yes."),
     ({"stream": 2}, r"unknown option\(s\) 'stream'.*streams \(default 4\)"),
 ])

@@ -101,7 +101,7 @@ def explained(model, inputs):
 def test_loss_terms_meeting_in_gradient_sums_run_their_parts_early(model, early, joined):
     # NB: head 1's part is under the default min_part_share; every part early here
     (report,) = erase_fx.explain(model(), *two_block_inputs(), erase_options={
-        "min_part_share": 0.0})
+        "tuning": {"min_part_share": 0.0}})
     assert [b.params for b in report.blocks] == early
     assert [(r.reason, r.params) for r in report.rejected] == [
         ("last_block", ("b2.0.weight", "b2.0.bias", "b2.2.weight", "b2.2.bias")),

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.emit import graph_end as graph_end_module
 from erase_fx.passes import RejectReason, run_pass
 from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS
@@ -85,7 +85,7 @@ def test_a_graph_that_ends_at_the_forwards_return_keeps_its_last_block_in_the_ba
 
 def test_the_main_stream_leaves_the_wait_for_the_graph_end_block_to_the_backward():
     stages = Stages(Chain(3), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=3, stages_on_side=False),
+                    EraseConfig(inner="aot_eager", streams=3, tuning=Tuning(stages_on_side=False)),
                     graph_end=True)
     program, streams = build(stages)
     values = real_values(stages.fw)

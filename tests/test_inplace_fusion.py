@@ -153,7 +153,7 @@ def test_side_stream_segments_compile_inside_it_when_the_option_is_on(monkeypatc
     monkeypatch.setattr(inplace_fusion, "keep_inplace_writes", recording)
     torch._dynamo.reset()
     model = TwoBlocks()
-    options = {"on_error": "raise", "keep_inplace_writes": keep}
+    options = {"on_error": "raise", "tuning": {"keep_inplace_writes": keep}}
     with erase_fx.collect_reports() as reports:
         torch.compile(model, backend="erase", options=options)(
             torch.randn(8, 16), torch.randint(0, 3, (8,))).backward()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import erase_fx.compilation as compilation
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import (
     BACKWARD_PASSES,
@@ -21,7 +21,7 @@ from erase_fx.passes import (
 )
 from graphs import Chain, TwoBlockOneLoss, chain_inputs, trace_joint, two_block_inputs
 
-CFG = EraseConfig(inner="aot_eager", recompute_boundary_values=True)
+CFG = EraseConfig(inner="aot_eager", tuning=Tuning(recompute_boundary_values=True))
 LISTS = {"joint": JOINT_PASSES, "forward": FORWARD_PASSES, "backward": BACKWARD_PASSES}
 
 

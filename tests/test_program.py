@@ -1,7 +1,7 @@
 """StreamProgram on virtual streams: launch order, the sync protocol, freed inputs, values."""
 import torch
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.emit import StreamProgram, VirtualStreams, compile_segment
 from erase_fx.emit.inner import example_inputs_of
 from graphs import Chain, Stages, assert_outputs_close, chain_inputs, real_values
@@ -29,7 +29,8 @@ def run_traced(cfg):
 
 
 def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end():
-    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2,
+                                   tuning=Tuning(stages_on_side=False)))
     assert trace == [
         ("fork", (1, 2)),
         ("run", 0), ("record", 0), ("wait", 1, (0,)), ("run", 1), ("record", 1),
@@ -41,8 +42,9 @@ def test_program_forks_each_side_step_waits_before_the_sum_and_joins_at_the_end(
 
 
 def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
-    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True,
-                                   recompute_boundary_values=False))
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2,
+                                   tuning=Tuning(stages_on_side=True,
+                                                 recompute_boundary_values=False)))
     assert trace == [
         ("fork", (1, 2)),
         ("run", 1), ("record", 1),  # stage 0: stage 1 and the main stream read its output
@@ -58,8 +60,9 @@ def test_with_stages_on_side_each_stage_waits_only_for_the_stage_before_it():
 def test_a_block_that_recomputes_stage_0s_constant_no_longer_waits_for_it():
     """With recompute_boundary_values (the default), block 1 makes the constant itself (it
     read it from stage 0 above): one wait fewer, the rest of the schedule as it was."""
-    trace = run_traced(EraseConfig(inner="aot_eager", streams=2, stages_on_side=True,
-                                   recompute_boundary_values=True))
+    trace = run_traced(EraseConfig(inner="aot_eager", streams=2,
+                                   tuning=Tuning(stages_on_side=True,
+                                                 recompute_boundary_values=True)))
     assert trace == [
         ("fork", (1, 2)),
         ("run", 1), ("record", 1),

@@ -62,7 +62,7 @@ def parts_seen():
 
 
 #: every gradient part early, however small: the graphs are here to exercise the schedule
-ALL_PARTS = {"min_part_share": 0.0}
+ALL_PARTS = {"tuning": {"min_part_share": 0.0}}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -113,7 +113,7 @@ def test_random_graph_on_two_side_streams_equals_eager_bitwise(seed, stages_on_s
     # streams=2, the setting docs/performance.md gives chains of many blocks: a stream runs
     # several blocks, each block's stage on its stream when blocks outnumber the streams
     torch.manual_seed(seed)
-    options = {**ALL_PARTS, "streams": 2, "stages_on_side": stages_on_side}
+    options = {"streams": 2, "tuning": {"min_part_share": 0.0, "stages_on_side": stages_on_side}}
     with erase_fx.collect_reports() as reports:
         check_parity(RandomGraph(seed), inputs, options=options, steps=2, rtol=0, atol=0)
     if stages_on_side is None:

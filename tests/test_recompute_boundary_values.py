@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import get_meta, pipeline
 from erase_fx.passes.graph import val_of
@@ -61,8 +61,9 @@ def gelu_inputs(batch: int = 6, d: int = 16):
 
 def gelu_stages(recompute: bool = True, stages_on_side: bool | None = None) -> Stages:
     torch.manual_seed(0)
-    cfg = EraseConfig(inner="inductor", recompute_boundary_values=recompute,
-                      stages_on_side=stages_on_side)
+    cfg = EraseConfig(inner="inductor",
+                      tuning=Tuning(recompute_boundary_values=recompute,
+                                    stages_on_side=stages_on_side))
     return Stages(GeluChain(), gelu_inputs(), cfg, inner="inductor")
 
 
@@ -121,7 +122,8 @@ def test_the_segments_compute_what_they_computed(monkeypatch):
     for recompute in (True, False):
         eager, erased = copy.deepcopy(model), copy.deepcopy(model)
         compiled = torch.compile(erased, backend="erase", options={
-            "inner": "inductor", "on_error": "raise", "recompute_boundary_values": recompute})
+            "inner": "inductor", "on_error": "raise",
+            "tuning": {"recompute_boundary_values": recompute}})
         for _ in range(2):
             inputs = gelu_inputs()
             for module in (eager, erased):
@@ -274,8 +276,8 @@ def test_the_check_refuses_a_copy_outside_a_block_segment():
 def test_the_check_refuses_a_value_left_that_pays():
     stages = gelu_stages(recompute=False)
     with pytest.raises(GraphInvariantError, match="pays to recompute"):
-        check_boundary_values(stages.recomputed,
-                              PassContext.of(EraseConfig(recompute_boundary_values=True)))
+        check_boundary_values(stages.recomputed, PassContext.of(
+            EraseConfig(tuning=Tuning(recompute_boundary_values=True))))
 
 
 def test_the_report_and_explain_say_what_the_segments_recompute():
@@ -291,5 +293,5 @@ def test_the_report_and_explain_say_what_the_segments_recompute():
             "reading them across their boundaries") in format_report(report)
     assert report.with_fallback("injected").recomputed_values == 0
     (off,) = erase_fx.explain(GeluChain(), *gelu_inputs(), erase_options={
-        "inner": "inductor", "recompute_boundary_values": False})
+        "inner": "inductor", "tuning": {"recompute_boundary_values": False}})
     assert off.recomputed_values == 0 and "recompute" not in format_report(off)

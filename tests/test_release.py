@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.emit import program as program_module
 from erase_fx.emit.release import StepIO, plan_captured_releases
 from graphs import Chain, StageChain, Stages, attention_inputs, chain_inputs, real_values
@@ -68,7 +68,7 @@ def test_a_lag_below_one_is_refused():
 
 def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch):
     stages = Stages(Chain(5), chain_inputs(),
-                    EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+                    EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=False)))
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
     plain, _ = build(stages, trace=False)
@@ -123,7 +123,7 @@ def test_by_default_a_captured_run_holds_what_crosses_streams_to_the_join(monkey
     """Classic layout: a block's activations are made on the main stream and read on its side
     stream, so they live to the join; nothing waits to release them."""
     program, streams, alive = _slots_alive_before_each_launch(
-        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=False))
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=False)))
     assert not any(program.capture_plan_for(None).releases_before)
     assert not any(kind == "wait_events" for kind, *_ in streams.trace)
     cross = {slot for k, step in enumerate(program.steps) if step.stream == MAIN
@@ -140,7 +140,7 @@ def test_with_stages_on_side_a_blocks_activations_die_with_its_backward_under_ca
     capture they are dropped right after block b's step (the stream orders the reuse),
     before the next block's stage on that stream runs."""
     program, streams, alive = _slots_alive_before_each_launch(
-        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=True))
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=True)))
     assert not any(kind == "wait_events" for kind, *_ in streams.trace)
     steps = program.steps
     for k, step in enumerate(steps):
@@ -179,7 +179,7 @@ def test_outputs_of_one_step_that_share_its_memory_are_freed_under_capture(monke
     allocation of that step: each is dropped after its last reader on the block's stream,
     not held to the join as a view of someone else's memory would be."""
     program, _, alive = _slots_alive_before_each_launch(
-        monkeypatch, EraseConfig(inner="aot_eager", streams=2, stages_on_side=True),
+        monkeypatch, EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=True)),
         StageChain([FusedQKVStage() for _ in range(4)]), attention_inputs())
     steps = program.steps
     checked = 0

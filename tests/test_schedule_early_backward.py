@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.passes import Role, get_meta, schedule_early_backward
 from erase_fx.passes.graph import is_tangent, output_values
 from erase_fx.passes.pass_result import PassContext, PassResult
@@ -114,7 +114,8 @@ def test_partition_keeps_early_matrix_work_in_the_forward(two_block):
 
 @pytest.mark.parametrize("partitioner", ["min_cut", "default"])
 def test_forward_then_backward_modules_equal_the_joint_graph(partitioner):
-    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager", partitioner=partitioner))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager",
+                                                          tuning=Tuning(partitioner=partitioner)))
     fw, bw = stages.fw, stages.bw
     num_fwd = stages.joint.num_fwd_outputs
     values = real_values(stages.joint.gm)

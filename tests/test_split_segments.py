@@ -7,7 +7,7 @@ import torch
 
 import pytest
 
-from erase_fx.config import EraseConfig
+from erase_fx.config import EraseConfig, Tuning
 from erase_fx.passes import MAIN_STREAM
 from erase_fx.passes.node_meta import NodeMeta, Role, is_early
 from erase_fx.passes.split_segments import forward_first
@@ -27,13 +27,13 @@ from graphs import (
 def chain():
     """The classic layout: every stage on the main stream."""
     return Stages(Chain(3), chain_inputs(),
-                  EraseConfig(inner="aot_eager", streams=4, stages_on_side=False))
+                  EraseConfig(inner="aot_eager", streams=4, tuning=Tuning(stages_on_side=False)))
 
 
 @pytest.fixture(scope="module")
 def chain_stages_on_side():
     return Stages(Chain(3), chain_inputs(),
-                  EraseConfig(inner="aot_eager", streams=4, stages_on_side=True))
+                  EraseConfig(inner="aot_eager", streams=4, tuning=Tuning(stages_on_side=True)))
 
 
 def test_blocks_launch_between_forward_segments(chain):
@@ -87,7 +87,8 @@ def test_every_segment_returns_a_tuple(chain):
                                            (TowersInterleaved(3), chain_inputs)])
 @pytest.mark.parametrize("stages_on_side", [False, True])
 def test_split_module_computes_what_the_forward_computes(model, inputs, stages_on_side):
-    stages = Stages(model, inputs(), EraseConfig(inner="aot_eager", stages_on_side=stages_on_side))
+    stages = Stages(model, inputs(), EraseConfig(inner="aot_eager",
+                                                 tuning=Tuning(stages_on_side=stages_on_side)))
     for _ in range(2):
         values = real_values(stages.fw)
         args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
@@ -129,7 +130,7 @@ def test_batchnorm_statistics_updates_do_not_cut_a_stage_into_pieces(inner):
 
     inputs = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
     stages = Stages(DetachedConvStages(), inputs,
-                    EraseConfig(inner=inner, stages_on_side=True), inner=inner)
+                    EraseConfig(inner=inner, tuning=Tuning(stages_on_side=True)), inner=inner)
     segments = stages.segmented.segments
     assert [(s.stream, s.block, s.stage) for s in segments] == [
         (1, 0, True), (1, 0, False), (2, 1, True), (2, 1, False), (0, None, False),

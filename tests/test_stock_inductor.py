@@ -127,7 +127,7 @@ def test_dropout_in_early_blocks_matches_stock_inductors_masks(stages_on_side, t
     stock, erased = copy.deepcopy(model), copy.deepcopy(model)
     torch.manual_seed(1)
     torch.compile(stock)(*inputs).backward()
-    options = {**RAISE, "stages_on_side": stages_on_side, "dump_dir": str(tmp_path)}
+    options = {**RAISE, "tuning": {"stages_on_side": stages_on_side}, "dump_dir": str(tmp_path)}
     with erase_fx.collect_reports() as reports:
         torch.manual_seed(1)
         torch.compile(erased, backend="erase", options=options)(*inputs).backward()
@@ -151,7 +151,7 @@ def test_dropout_with_fallback_random_matches_eager(stages_on_side):
         eager(*inputs).backward()
         torch.manual_seed(2)
         torch.compile(erased, backend="erase",
-                      options={**RAISE, "stages_on_side": stages_on_side})(*inputs).backward()
+                      options={**RAISE, "tuning": {"stages_on_side": stages_on_side}})(*inputs).backward()
     assert_same_grads(eager, erased, rtol=1e-5, atol=1e-6)
 
 

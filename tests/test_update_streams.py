@@ -89,7 +89,7 @@ def test_join_without_updates_waits_for_nothing(recording_cuda):
 
 def test_folded_streams_run_side_stream_s_on_1_plus_s_minus_1_mod_width(recording_cuda,
                                                                         monkeypatch):
-    """`EraseConfig.side_cuda_streams`: four side streams on two; fork and join touch each
+    """`Tuning.side_cuda_streams`: four side streams on two; fork and join touch each
     CUDA stream once; the communication stream a folded view makes is the original's too."""
     main, current = recording_cuda
     monkeypatch.setattr(streams_module, "_comm_pool", {})

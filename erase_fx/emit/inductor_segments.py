@@ -47,7 +47,7 @@ the FX graph, each a copy). So:
 - **Large in-place writes on side streams.** Under capture each side
   stream keeps a memory pool of its own, as large as its segments' peak; a
   side-stream segment compiles inside `inplace_fusion.keep_inplace_writes`
-  (`EraseConfig.keep_inplace_writes`), which refuses the fusions that would
+  (`Tuning.keep_inplace_writes`), which refuses the fusions that would
   keep Inductor from writing a large value over its input (a local loss's
   logits and their gradient).
 - **Dynamic shapes** (symbolic sizes or strides): every segment output keeps
@@ -105,7 +105,7 @@ def compile_inductor_segments(
         inductor_kwargs: what ``compile_fx`` passed for the whole forward
             (``static_input_idxs``, ``graph_id``, ...).
         keep_inplace_writes: compile side-stream segments inside
-            `inplace_fusion.keep_inplace_writes` (`EraseConfig.keep_inplace_writes`).
+            `inplace_fusion.keep_inplace_writes` (`Tuning.keep_inplace_writes`).
     """
     from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner

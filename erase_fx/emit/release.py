@@ -25,7 +25,7 @@ capture erase_fx orders the reuse itself:
   local losses; forward inputs, which the caller owns) is held until the
   join at the end of the forward, where every stream is ordered.
 
-With each block's stage on its side stream (`EraseConfig.stages_on_side`),
+With each block's stage on its side stream (`Tuning.stages_on_side`),
 the block's activations are made and read on that stream: the first rule
 frees them right after the block's backward, and the side stream's next
 stage reuses the memory, ordered by the stream itself.

@@ -24,7 +24,7 @@ launched so far.
 
 `StreamOps.folded(width)` is the same object for a run on fewer streams: side
 stream ``s`` runs on ``1 + (s - 1) % width``
-(`EraseConfig.side_cuda_streams`). Folding only adds order: every event a
+(`Tuning.side_cuda_streams`). Folding only adds order: every event a
 step waits for was recorded by an earlier step, and one stream runs its work
 in launch order, so a wait on an event of the same stream is one it has
 already passed. Under CUDA graph capture the blocks that share a stream share
