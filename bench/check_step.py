@@ -328,7 +328,7 @@ def check_inductor(report, device, steps, timings):
     n = 2000
     start = time.perf_counter()
     for _ in range(n):
-        entry.record.check()
+        entry.guards.check()
     guard_us = (time.perf_counter() - start) / n * 1e6
     params = sum(1 for m in models for _ in m.parameters())
     timings.append((f"guards before a replay ({params} parameters, Adam): {guard_us:.1f} us",

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from erase_fx import step as step_module
+from erase_fx.step import arguments as step_arguments
 
 aten = torch.ops.aten
 
@@ -125,7 +125,7 @@ _health_check.__code__ = _health_check.__code__.replace(
 def fake_cuda(monkeypatch):
     """torch.cuda as compile_step sees it on a GPU, with `FakeGraph` for graphs."""
     # NB: not torch.cuda.is_available itself: Dynamo would then save CUDA's RNG state
-    monkeypatch.setattr(step_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(step_arguments, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: FakeStream())
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -136,7 +136,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: FakeGraph.capturing is not None)
-    monkeypatch.setattr(step_module, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(step_arguments, "on_cuda", lambda t: True)
     monkeypatch.setattr(torch.optim.Optimizer, "_accelerator_graph_capture_health_check",
                         _health_check)
     # NB: capturable Adam checks its device; CPU stands in for CUDA here

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from erase_fx import capture_tuning, compile_step
-from erase_fx import step as step_module
+from erase_fx.step import tuning as step_tuning
 from erase_fx.capture_tuning import (
     KEEP,
     CaptureMeasurement,
@@ -285,7 +285,7 @@ def tuned_training(monkeypatch, ms_by_lag, mib_by_lag, ask=True, fails_with=(), 
     step = compile_step(two_model_step([model], [opt], [asking]))
     reference = two_model_step([ref_model], [ref_opt], [ref_model])
     times = FakeTimes(monkeypatch, ms_by_lag)
-    monkeypatch.setattr(step_module, "pool_bytes",
+    monkeypatch.setattr(step_tuning, "pool_bytes",
                         lambda pool: mib_by_lag[key(step.capture_tunings[-1].choice)] * MiB)
     return step, reference, times, asking, (model, ref_model), (opt, ref_opt)
 
@@ -336,7 +336,7 @@ def test_no_warm_up_comes_between_the_tunings_captures(fake_cuda, monkeypatch):
         backend="eager")
     hooked = []
     train(step, reference, times, 2 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 4,
-          after_each=lambda: hooked.append((step.tuning, step._module_hook is not None)))
+          after_each=lambda: hooked.append((step.tuning, step._uses.module_hook_installed)))
     assert step.capture_tunings[0].done and step.warmups == 2
     assert all(hook for tuning, hook in hooked if tuning) and hooked[-1] == (False, False)
     assert_trains_like_eager(models, opts)
@@ -379,7 +379,7 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
         alive_at_release.append(sum(1 for refs in grads_of_captures for r in refs
                                     if r() is not None and id(r()) not in current))
 
-    monkeypatch.setattr(step_module, "_release_dropped_pools", release)
+    monkeypatch.setattr(step_tuning, "release_dropped_pools", release)
     train(step, reference, times, 3 + 3 * (capture_tuning.TIMED_REPLAYS + 1) + 2,
           after_each=watch_captures)
     assert step.tuning_captures == 3 and len(grads_of_captures) == 4  # the last: the choice

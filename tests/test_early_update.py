@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from erase_fx import compile_step
-from erase_fx import step as step_module
+from erase_fx.step import capture as step_capture
 from erase_fx.config import EraseConfig
 from erase_fx.early_grads import plan_early_grads
 from erase_fx.early_update import (
@@ -371,7 +371,7 @@ def test_compile_step_opens_a_session_around_the_capture_only(fake_cuda, monkeyp
         opened.append(([type(o).__name__ for o in optimizers], len(own_hooks)))
         yield Session()
 
-    monkeypatch.setattr(step_module, "open_session", fake_open)
+    monkeypatch.setattr(step_capture, "open_session", fake_open)
     model, opt = _training("adam", capturable=True)
     step = compile_step(_step(model, opt, model), early_optimizer=True)
     plain = compile_step(_step(model, opt, model))

@@ -24,7 +24,7 @@ import torch
 
 import erase_fx
 from erase_fx import StepCaptureError
-from erase_fx import step as step_module
+from erase_fx.step import arguments as step_arguments
 from erase_fx.errors import EraseError
 from fake_cuda import fake_cuda  # noqa: F401 - a fixture
 
@@ -114,11 +114,11 @@ class CapturableWholeStep(lightning_whole_step.WholeStep):
 
 
 def test_the_whole_step_is_captured_and_trains_like_the_step_as_written(fake_cuda, monkeypatch):
-    monkeypatch.setattr(step_module, "_cuda_available", lambda: False)
+    monkeypatch.setattr(step_arguments, "cuda_available", lambda: False)
     reference = seeded(CapturableWholeStep)
     fit(reference, 6)
     assert reference.step.compiled.replays == 0  # ran as written
-    monkeypatch.setattr(step_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(step_arguments, "cuda_available", lambda: True)
     module = seeded(CapturableWholeStep)
     with erase_fx.collect_reports() as reports:
         trainer = fit(module, 6, backend="erase", options=EXACT)
@@ -257,12 +257,12 @@ def test_gpt2_probes_in_one_graph_without_transformers_breaks(probes):
 def test_gpt2_probes_whole_step_is_captured_and_trains_like_as_written(probes, fake_cuda,
                                                                        monkeypatch):
     batches = probes.token_batches(4)
-    monkeypatch.setattr(step_module, "_cuda_available", lambda: False)
+    monkeypatch.setattr(step_arguments, "cuda_available", lambda: False)
     reference = seeded(probes.GPT2WithProbes)
     ref_loss, ref_step = probes.train(reference, batches, whole_step=True, capturable=True,
                                       backend="erase", options=EXACT)
     assert ref_step.replays == 0
-    monkeypatch.setattr(step_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(step_arguments, "cuda_available", lambda: True)
     model = seeded(probes.GPT2WithProbes)
     loss, step = probes.train(model, batches, whole_step=True, capturable=True,
                               backend="erase", options=EXACT)

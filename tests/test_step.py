@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import erase_fx
 from erase_fx import CompiledStep, EraseOptionError, StepCaptureError, compile_step
-from erase_fx import step as step_module
+from erase_fx.step.uses import bindings_of
 from erase_fx.emit import cudagraphs
 from erase_fx.emit.capture_scope import StepScope, current_scope
 from erase_fx.emit.cudagraphs import GraphedForward, Unreplayed, graph_backward
@@ -823,7 +823,7 @@ def test_a_bound_method_step_guards_its_attributes(fake_cuda):
         counting(x, y)
     assert counting.captures == 0 and "assigns 'steps'" in counting.uncaptured_reason
     assert trainer.steps == 3  # the refused capture's increment was undone
-    names = {b.key for b in step_module._bindings_of(trainer.counting_step)}
+    names = {b.key for b in bindings_of(trainer.counting_step)}
     assert {"steps", "model", "opt", "scale"} <= names  # self.step() followed
 
 
@@ -862,5 +862,5 @@ def test_a_step_that_is_a_modules_method_guards_its_submodules(fake_cuda):
             self.opt.step()
 
     learner = Learner()
-    names = {b.key for b in step_module._bindings_of(learner.training_step)}
+    names = {b.key for b in bindings_of(learner.training_step)}
     assert {"net", "opt"} <= names

@@ -108,7 +108,6 @@ def compile_inductor_segments(
             `inplace_fusion.keep_inplace_writes` (`Tuning.keep_inplace_writes`).
     """
     from torch._guards import TracingContext
-    from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
     from torch._inductor.utils import BoxedBool
 
@@ -144,20 +143,8 @@ def compile_inductor_segments(
         # NB: a side stream's segment keeps Inductor's large in-place writes
         # possible (`inplace_fusion`): its stream's pool is its own under capture.
         keep = keep_inplace_writes and segmented.segment(call.target).stream != MAIN_STREAM
-        with _fusion(keep, call.target), TracingContext.report_output_strides() as reported:
-            compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-        if not keep_fx_strides and not _unpadded(segment, reported, held):
-            # NB: Inductor's FX graph cache keys a graph by its code, not by
-            # which outputs are user-visible: the same segment code cached
-            # with other outputs visible can come back with other strides.
-            from torch._inductor import config as inductor_config
-
-            with _fusion(keep, call.target), inductor_config.patch(fx_graph_cache=False), \
-                    TracingContext.report_output_strides() as reported:
-                compiled[call.target] = compile_fx_inner(segment, inputs, **kwargs)
-            if not _unpadded(segment, reported, held):
-                raise GraphInvariantError(
-                    WHERE, f"Inductor padded user-visible outputs {held} of {call.target}")
+        compiled[call.target], reported = _compile_segment(
+            segment, call.target, inputs, kwargs, keep, None if keep_fx_strides else held)
         for i, node in getitems.items():
             # NB: a user-visible output keeps the strides of the segment's own
             # FX graph, which follow its inputs' (re-strided) layouts: report
@@ -169,6 +156,34 @@ def compile_inductor_segments(
         context.output_strides.extend(
             strides.get(value) if isinstance(value, fx.Node) else None for value in results)
     return compiled
+
+
+def _compile_segment(segment: fx.GraphModule, name: str, inputs: Sequence[Any],
+                     kwargs: dict[str, Any], keep: bool,
+                     held: list[int] | None) -> tuple[BoxedCallable, Any]:
+    """One segment compiled by Inductor (inside `_fusion`), and the output strides it reported.
+
+    ``held``: the user-visible outputs that must come out at their FX strides,
+    unpadded (None: no such check).
+    """
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with _fusion(keep, name), TracingContext.report_output_strides() as reported:
+        compiled = compile_fx_inner(segment, inputs, **kwargs)
+    if held is not None and not _unpadded(segment, reported, held):
+        # NB: Inductor's FX graph cache keys a graph by its code, not by
+        # which outputs are user-visible: the same segment code cached
+        # with other outputs visible can come back with other strides.
+        from torch._inductor import config as inductor_config
+
+        with _fusion(keep, name), inductor_config.patch(fx_graph_cache=False), \
+                TracingContext.report_output_strides() as reported:
+            compiled = compile_fx_inner(segment, inputs, **kwargs)
+        if not _unpadded(segment, reported, held):
+            raise GraphInvariantError(
+                WHERE, f"Inductor padded user-visible outputs {held} of {name}")
+    return compiled, reported
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from erase_fx import step as step_module
+from erase_fx.step import arguments as step_arguments
 from erase_fx.errors import EraseError, StepCaptureError
 from erase_fx.step import CompiledStep
 
@@ -185,7 +185,7 @@ class ManualStep:
 
     def _count(self) -> None:
         # NB: a failed capture's partial run is not counted: the step then runs as written
-        capturing = step_module._cuda_available() and torch.cuda.is_current_stream_capturing()
+        capturing = step_arguments.cuda_available() and torch.cuda.is_current_stream_capturing()
         self._counts["captured" if capturing else "ran"] += 1
 
     def _check(self, trainer: Any) -> None:
