@@ -262,6 +262,11 @@
 #                                      reduce-overhead, erase+graphs, inductor+step, erase+step;
 #                                      needs lightning and torchvision on the image) (~8 min)
 #   bash bench/device_run.sh frameworks-b  the same on ctr:1024:512:1024:6 (~6 min)
+#   bash bench/device_run.sh dropin-a  where the drop-in's time goes (issue 37, item 1): bench.overhead
+#                                      (cProfile by function, torch.profiler's tables, the GPU's
+#                                      busy share of a step) of reduce-overhead and erase+graphs
+#                                      on mlp:128:2000:2000:4, gpt:16:384:256:8 and
+#                                      tv-resnet18-dgl:256:32 (~8 min)
 #   bash bench/device_run.sh patterns-a  issue 36's user patterns (bench.user_patterns: Forward-
 #                                      Forward nets, a local-loss VGG, forward hooks, a tensor
 #                                      kept on the module, a data-dependent op between blocks, a
@@ -297,7 +302,7 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
-  patterns-a|patterns-b) ;;
+  patterns-a|patterns-b|dropin-a) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
 SMOKE=
@@ -863,6 +868,12 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
   frameworks-b)
     timeout 570 python3 -m bench.frameworks --budget-s 450 --configs ctr:1024:512:1024:6 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  dropin-a)
+    for config in mlp:128:2000:2000:4 gpt:16:384:256:8 tv-resnet18-dgl:256:32; do
+      timeout 200 python3 -m bench.overhead --config "$config" --top 25 --steps 100 \
+        --variants reduce-overhead,erase+graphs --trace-dir /tmp 2>&1 \
+        | grep -v '^erase_fx: graph' || true
+    done ;;
   patterns-a)
     # the judged pair on every pattern first; then the drop-in pair in the time left (SECONDS:
     # since this script started), which patterns-b runs alone

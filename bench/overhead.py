@@ -62,14 +62,24 @@ def profile_variant(cfg, name: str, steps: int, top: int,
 def trace_steps(step, path: str, top: int, steps: int = 10) -> str:
     """torch.profiler over a few steps: the CPU calls and kernels that take the time (printed
     and returned)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - start) / steps
     averages = prof.key_averages()
-    text = (f"torch.profiler over {steps} steps, by self CPU time:\n"
+    # NB: kernels of several streams may overlap, so their sum can exceed the wall time
+    kernel_ms = sum(a.self_device_time_total for a in averages
+                    if a.device_type == DeviceType.CUDA) / 1e3 / steps
+    text = (f"torch.profiler over {steps} steps: {wall_ms:.3f} ms per step (profiled), "
+            f"device time summed over kernels {kernel_ms:.3f} ms per step "
+            f"({kernel_ms / wall_ms:.0%} of the step; below 100%: the GPU idles)\n"
+            f"torch.profiler over {steps} steps, by self CPU time:\n"
             f"{averages.table(sort_by='self_cpu_time_total', row_limit=top)}\n"
             f"torch.profiler over {steps} steps, by device time:\n"
             f"{averages.table(sort_by='self_device_time_total', row_limit=top)}\n")
