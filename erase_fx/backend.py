@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,7 +75,7 @@ def erase_backend(
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm),
-                                   ends_at_graph_break=ends_at_graph_break(gm),
+                                   ends_at_graph_break=more_forward_follows(gm),
                                    output_names=output_names(gm))
     compilation.data_parallel = ddp.active_ddp_module()
     compilation.require_early_blocks = ddp.whole_ddp_graph()
@@ -163,6 +165,43 @@ class ErasePartitioner(CustomPartitionerFn):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (str, (f"erase_fx.ErasePartitioner{self.uuid()!r}",))
+
+
+def more_forward_follows(gm: fx.GraphModule) -> bool:
+    """Whether more of the user's forward runs after this graph, for its last block's
+    backward to overlap (`erase_fx.emit.graph_end`): Dynamo ended it at a graph break, or
+    compiled it from a module's forward that another module's forward calls, uncompiled
+    (Dynamo skipped that frame, as it does one that calls an ``autograd.Function``
+    instance's ``apply``, or the user compiled a submodule): the rest of that forward runs
+    when this graph returns. Called at compile time, from Dynamo's frame callback."""
+    return ends_at_graph_break(gm) or called_from_a_forward(sys._getframe(1))
+
+
+def called_from_a_forward(frame: types.FrameType | None) -> bool:
+    """Whether the first frame of ``frame``'s stack outside torch and erase_fx (the caller
+    of the frame Dynamo compiles: the frame itself has not started) is a module's
+    ``forward``.
+
+    NB: Dynamo runs its backend inside the eval-frame callback of the frame it compiles,
+    before that frame runs, so the stack above holds its caller's frames; a caller running
+    code Dynamo made (``torch._dynamo.utils.orig_code_map`` maps it to the user's) calls
+    the resume function after its graph break, and returns what that returns: nothing of
+    it follows (torch 2.11-2.14; tests/test_graph_end.py pins both)."""
+    from torch._dynamo.utils import orig_code_map
+
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_INTERNAL_SOURCES):
+            code = frame.f_code
+            if code.co_name != "forward" or code.co_argcount == 0 or code in orig_code_map:
+                return False
+            return isinstance(frame.f_locals.get(code.co_varnames[0]), torch.nn.Module)
+        frame = frame.f_back
+    return False
+
+
+#: the source folders whose frames `called_from_a_forward` looks past: torch's (the module
+#: call, Dynamo), erase_fx's (`erase_fx.explain`), Python's own
+_INTERNAL_SOURCES = (str(Path(torch.__file__).parent), str(Path(__file__).parent), "<frozen")
 
 
 def ends_at_graph_break(gm: fx.GraphModule) -> bool:

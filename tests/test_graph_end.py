@@ -3,6 +3,7 @@ stream does not wait for it, and a forward whose backward never comes stops payi
 (`erase_fx.emit.graph_end`)."""
 import copy
 import gc
+import sys
 
 import pytest
 import torch
@@ -213,3 +214,102 @@ def test_a_block_at_the_graphs_end_has_no_gradient_an_optimizer_may_update_early
     grads = plan_early_grads(stages.fw, stages.bw, stages.joint.num_fwd_outputs)
     assert at_end == {2} and grads
     assert {g.block for g in grads} == {0, 1}
+
+
+class LocalBlock(nn.Module):
+    """A stage and its local head and loss, in one module: ``(h, loss)``."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, classes: int = 5):
+        super().__init__()
+        self.stage = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, h, labels):
+        h = self.stage(h)
+        return h, F.cross_entropy(self.head(h), labels)
+
+
+class CompiledPerBlock(nn.Module):
+    """Detached blocks, each compiled on its own (``block.compile(...)``, as per-layer
+    compilation of large models does), under an uncompiled forward that sums their losses."""
+
+    def __init__(self, blocks: int = 3, **options):
+        super().__init__()
+        self.blocks = nn.ModuleList(LocalBlock() for _ in range(blocks))
+        self.options = options
+
+    def compile_blocks(self):
+        for block in self.blocks:
+            block.compile(backend="erase",
+                          options={"inner": "aot_eager", "on_error": "raise", **self.options})
+
+    def forward(self, x, labels):
+        loss, h = 0, x
+        for block in self.blocks:
+            h, local = block(h.detach(), labels)
+            loss = loss + local
+        return loss
+
+
+def test_blocks_compiled_one_by_one_under_an_uncompiled_forward_all_run_early(programs):
+    torch.manual_seed(0)
+    eager = CompiledPerBlock()
+    erased = copy.deepcopy(eager)
+    erased.compile_blocks()
+    with collect_reports() as reports:
+        for _ in range(3):
+            inputs = chain_inputs()
+            for module in (eager, erased):
+                module.zero_grad(set_to_none=True)
+                module(*inputs).backward()
+            assert_same_grads(eager, erased, rtol=0, atol=0)
+    # one graph for the three blocks (Dynamo's cache): the rest of the caller's forward
+    # follows it, so its block, last in the graph, runs at the graph's end
+    assert [[b.at_graph_end for b in r.blocks] for r in reports] == [[True]]
+    assert all(not r.rejected for r in reports)
+    assert programs and all(p.armed for p in programs)
+
+
+def test_the_caller_of_a_compiled_frame_is_found_past_torch_and_dynamos_frames():
+    """Pins what `called_from_a_forward` reads (torch 2.11-2.14): the stack a backend runs
+    on holds the compiled frame's caller, and a resume function's caller runs code Dynamo
+    made."""
+    from erase_fx.backend import called_from_a_forward
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(called_from_a_forward(sys._getframe(1)))
+        return gm.forward
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) + 1
+
+    class Broken(nn.Module):
+        def forward(self, x):
+            x = x * 2
+            torch._dynamo.graph_break()
+            return x + 1
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2))
+
+        def forward(self, x):
+            return x * self.weight
+
+    x = torch.randn(2)
+    torch._dynamo.reset()
+    torch.compile(Broken(), backend=backend)(x)   # the frame, then the resume function
+    inner = Scale()
+    inner.compile(backend=backend)
+    Outer(inner)(x)                                 # a module's forward calls it
+    torch._dynamo.reset()
+    torch.compile(Scale(), backend=backend)(x)      # called from this test
+    assert seen == [False, False, True, False]

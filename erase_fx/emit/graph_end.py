@@ -2,8 +2,10 @@
 
 A block whose backward is ready only when its graph's forward ends (the last
 block of a chain; every block, when graph breaks put each in a graph of its
-own) runs there, on its side stream, and the main stream does not wait for
-it: it returns, and what follows the graph (the next graphs' forwards, in a
+own), in a graph that more of the user's forward follows (Dynamo ended it at a
+graph break, or its caller is another module's forward that runs uncompiled:
+`erase_fx.backend.more_forward_follows`), runs there, on its side stream, and
+the main stream does not wait for it: it returns, and what follows the graph (the next graphs' forwards, in a
 model Dynamo split) runs while the block's backward does. The backward waits
 for it (`GraphEndBackward`), scales its gradients and hands them over, as for
 every early block. That is ERASE at the granularity of graphs.
