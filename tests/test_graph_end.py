@@ -313,3 +313,53 @@ def test_the_caller_of_a_compiled_frame_is_found_past_torch_and_dynamos_frames()
     torch._dynamo.reset()
     torch.compile(Scale(), backend=backend)(x)      # called from this test
     assert seen == [False, False, True, False]
+
+
+class HandBackwardInForward(nn.Module):
+    """InfoPro's habit: a local decoder, compiled on its own, whose weighted loss the
+    forward backwards by hand before it goes on with the detached features."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.decoder = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                     nn.ReLU(), nn.Conv2d(8, 3, 1), nn.Sigmoid())
+        self.local_loss = LocalDecoderLoss(self.decoder)
+        self.head = nn.Linear(8, 5)
+        self.weight = weight
+
+    def forward(self, images, labels):
+        x = self.stem(images)
+        (self.weight * self.local_loss(x, images)).backward()
+        x = x.detach().mean((2, 3))
+        return F.cross_entropy(self.head(x), labels)
+
+
+class LocalDecoderLoss(nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, features, images):
+        return F.binary_cross_entropy(self.decoder(features), images)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.3])
+def test_a_local_loss_backwarded_inside_the_forward_runs_at_its_graphs_end(weight):
+    """Bitwise as the stock backend where the loss gradient is the seed (1); where it is not,
+    the early gradients are made for 1 and multiplied by 0.3 in the backward: one rounding
+    more, no more (`erase_fx.emit.scale_grads`)."""
+    torch.manual_seed(0)
+    stock = HandBackwardInForward(weight)
+    erased = copy.deepcopy(stock)
+    stock.local_loss.compile(backend="aot_eager")
+    erased.local_loss.compile(backend="erase", options={"inner": "aot_eager", "on_error": "raise"})
+    with collect_reports() as reports:
+        images, labels = torch.rand(4, 3, 8, 8), torch.randint(0, 5, (4,))
+        for module in (stock, erased):
+            module(images, labels).backward()
+    assert [[b.at_graph_end for b in r.blocks] for r in reports] == [[True]]
+    if weight == 1.0:
+        assert_same_grads(stock, erased, rtol=0, atol=0)
+    else:
+        assert_same_grads(stock, erased, rtol=1e-6, atol=1e-7)
