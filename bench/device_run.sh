@@ -870,7 +870,7 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
       | grep -v '^erase_fx: graph' ;;
   dropin-a)
     for config in mlp:128:2000:2000:4 gpt:16:384:256:8 tv-resnet18-dgl:256:32; do
-      timeout 200 python3 -m bench.overhead --config "$config" --top 25 --steps 100 \
+      timeout 165 python3 -m bench.overhead --config "$config" --top 25 --steps 100 \
         --variants reduce-overhead,erase+graphs --trace-dir /tmp 2>&1 \
         | grep -v '^erase_fx: graph' || true
     done ;;

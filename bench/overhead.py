@@ -15,6 +15,7 @@ import cProfile
 import io
 import pstats
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -83,6 +84,9 @@ def trace_steps(step, path: str, top: int, steps: int = 10) -> str:
             f"{averages.table(sort_by='self_cpu_time_total', row_limit=top)}\n"
             f"torch.profiler over {steps} steps, by device time:\n"
             f"{averages.table(sort_by='self_device_time_total', row_limit=top)}\n")
+    # NB: indented, so that no line of a table (a kernel named "## Call ...") reads as a
+    # section's heading in bench/results/overhead.md
+    text = textwrap.indent(text, "  ")
     print(text)
     prof.export_chrome_trace(path)
     return text
