@@ -75,12 +75,14 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.copy_input_values_per_block import MIN_BYTES, loss_tails, made_from_inputs
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
+    MIN_BYTES,
     clone_module,
     draws_random_numbers,
     feeds_returns_only,
+    loss_tails,
+    made_from_inputs,
     returned_to_the_user,
     tensor_bytes,
     val_of,
