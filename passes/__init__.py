@@ -22,6 +22,7 @@ On the forward module::
     copy_input_values_per_block forward -> forward where each block makes its own copy of a
                                 large value made from inputs alone that others read too
     assign_streams              forward -> forward with streams and sync points
+      ownership                 (used by it) each node's owner, main or a block, and why
     recompute_boundary_values   forward -> forward where each block segment recomputes the
                                 cheap elementwise values it would read across its boundary
     split_segments              forward -> split module + ordered per-stream segments
@@ -33,7 +34,7 @@ On the backward module::
     specialize_unused_tangents  backward -> the backward for a step where the outputs besides
                                 the loss that early blocks read get no gradient
 """
-from erase_fx.passes.assign_streams import assign_streams, stages_go_to_side_streams, stream_of_block
+from erase_fx.passes.assign_streams import StreamAssignment, assign_streams, stream_of_block
 from erase_fx.passes.defer_grad_scaling import DeferredScaling, ScaledGrad, defer_grad_scaling
 from erase_fx.passes.find_stop_gradient_blocks import (
     Block,
@@ -44,6 +45,12 @@ from erase_fx.passes.find_stop_gradient_blocks import (
     find_stop_gradient_blocks,
 )
 from erase_fx.passes.node_meta import MAIN_STREAM, NodeMeta, Role, get_meta
+from erase_fx.passes.ownership import (
+    OwnerReason,
+    Ownership,
+    decide_ownership,
+    stages_go_to_side_streams,
+)
 from erase_fx.passes.partition_joint_graph import (
     JointPartition,
     partition_joint_graph,
@@ -90,9 +97,11 @@ __all__ = [
     "JointPartition",
     "Meeting",
     "NodeMeta",
+    "Ownership",
     "Pass",
     "PassContext",
     "PassResult",
+    "OwnerReason",
     "RejectReason",
     "Rejected",
     "Role",
@@ -100,9 +109,11 @@ __all__ = [
     "Segment",
     "SegmentedForward",
     "Segments",
+    "StreamAssignment",
     "TermSplit",
     "assign_streams",
     "copy_input_values_per_block",
+    "decide_ownership",
     "defer_grad_scaling",
     "find_stop_gradient_blocks",
     "get_meta",

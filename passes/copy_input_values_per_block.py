@@ -57,55 +57,32 @@ the large values it reads are that block's.
 from __future__ import annotations
 
 import dataclasses
-import operator
 
-import torch
 import torch.fx as fx
 
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
+    MIN_BYTES,
     clone_module,
-    draws_random_numbers,
-    feeds_returns_only,
     is_view,
+    loss_tails,
+    made_from_inputs,
     output_node,
     rebuild_in_order,
-    returned_to_the_user,
     returned_values,
     tensor_bytes,
     topo_positions,
     val_of,
 )
-from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, is_early, set_meta
+from erase_fx.passes.node_meta import NodeMeta, Owner, Role, early_owner, is_early, set_meta
 from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult, graph_text
 
 PASS_NAME = "copy_input_values_per_block"
 
-#: Smaller shared values stay shared: a copy per block would add launches and save little.
-MIN_BYTES = 1 << 20
 #: A copied value must be this many times larger than the graph inputs it is made from, so
 #: that making it again costs little next to holding it (a label tensor -> a batch x
 #: classes mask; not a cast of a weight, which reads more bytes than it writes).
 GROWTH = 4
-#: The op namespaces whose pure ops may be copied: their ops say when they are impure or
-#: draw random numbers (a custom op or a higher-order op may do either without saying so).
-COPYABLE_NAMESPACES = ("aten", "prims")
-
-#: Whose early nodes read a value: (block, piece).
-Owner = tuple[int, "int | None"]
-
-
-def early_owner(node: fx.Node) -> Owner | None:
-    """The (block, piece) of an early node; None for any other node, and for a node of a
-    block at the graph's end (`NodeMeta.at_graph_end`): it reads the forward's values as
-    the main stream does, after every other block."""
-    if not is_early(node):
-        return None
-    meta = get_meta(node)
-    if meta.at_graph_end:
-        return None
-    return meta.block, meta.piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,52 +242,6 @@ def copy_input_values_per_block(gm: fx.GraphModule,
     new_gm = rebuild_in_order(new_gm, _made_before_readers(graph, late))
     new_gm.graph.lint()
     return PassResult(new_gm, modified=True, artifact=InputValueCopies(copies, sizes))
-
-
-def made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
-    """The pure aten and prims nodes without matrix work (and getitems, symbolic-size
-    arithmetic) whose inputs are graph inputs (placeholders, attributes) or such nodes:
-    functions of the inputs alone."""
-    found: set[fx.Node] = set()
-    for node in nodes:
-        if (node.op == "call_function"
-                and all(a.op in ("placeholder", "get_attr") or a in found
-                        for a in node.all_input_nodes)
-                and _copyable(node) and node_flops(node) == 0):
-            found.add(node)
-    return found
-
-
-def loss_tails(graph: fx.Graph, nodes: list[fx.Node],
-               from_inputs: set[fx.Node]) -> dict[fx.Node, Owner]:
-    """The forward nodes of a block's loss tail, by the (block, piece) they are of: pure
-    nodes that only feed what the forward returns to the user (the loss sum), whose
-    inputs, graph inputs and values made from them alone aside, are all read by the early
-    nodes of one (block, piece) (``mul(soft_targets, log_softmax)``: the block's backward
-    reads its log-softmax). `assign_streams` runs such a node in its block
-    (`_pull_loss_tails_into_blocks`). Without output descriptors, none."""
-    returned = returned_to_the_user(graph)
-    if returned is None:
-        return {}
-    tails: dict[fx.Node, Owner] = {}
-    for node in feeds_returns_only(nodes, returned, lambda node: not is_early(node)):
-        computed = [a for a in node.all_input_nodes
-                    if a.op not in ("placeholder", "get_attr") and a not in from_inputs]
-        owners = {early_owner(u) for a in computed for u in a.users} - {None}
-        if (computed and len(owners) == 1 and not node.is_impure()
-                and all(any(is_early(u) for u in a.users) for a in computed)):
-            tails[node] = owners.pop()
-    return tails
-
-
-def _copyable(node: fx.Node) -> bool:
-    """An op whose copy computes what it computed: a pure aten or prims op that draws no
-    random numbers, a getitem, or arithmetic on symbolic sizes."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
-                and not draws_random_numbers(node))
-    return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 
 
 def _copy_chain(analysis: _Analysis, graph: fx.Graph, node: fx.Node, owner: Owner, *,

@@ -11,8 +11,6 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from erase_fx.passes.graph import val_of
-
 
 def node_flops(node: fx.Node) -> int:
     if node.op != "call_function":
@@ -20,7 +18,8 @@ def node_flops(node: fx.Node) -> int:
     formula = flop_registry.get(getattr(node.target, "overloadpacket", node.target))
     if formula is None:
         return 0
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), val_of)
+    # NB: the example values read directly: graph.py imports this module
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
     flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
     return _concrete(flops)
 

@@ -3,17 +3,37 @@
 Names follow torch's partitioners: ``is_primal`` / ``is_tangent`` look at the
 placeholder names AOTAutograd gives the joint graph (``primals_*`` then
 ``tangents_*``), which are stable across torch 2.11-2.15.
+
+The values made from the graph's inputs alone (`made_from_inputs`: soft
+targets made from the labels) and a block's loss tail (`loss_tails`) are
+defined here once: `copy_input_values_per_block` copies such values per
+block and `assign_streams` decides where they and the tails run; a large
+value (`MIN_BYTES`) is one worth holding on one stream rather than another.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from erase_fx.passes.flops import node_flops
+from erase_fx.passes.node_meta import Owner, early_owner, is_early
+
 aten = torch.ops.aten
+
+#: A value at least this large is worth a decision of where it is made: held on one stream
+#: while others read it (until the join, under CUDA graph capture), or made again by each
+#: block; smaller shared values stay shared (a copy per block would add launches and save
+#: little, and a scalar loss crossing the join holds nothing).
+MIN_BYTES = 1 << 20
+#: The op namespaces whose pure ops may be made again: their ops say when they are impure or
+#: draw random numbers (a custom op or a higher-order op may do either without saying so).
+COPYABLE_NAMESPACES = ("aten", "prims")
 
 
 def is_primal(node: fx.Node) -> bool:
@@ -226,3 +246,50 @@ def tensor_bytes(value: Any) -> int | None:
             size = int(hint)
         numel *= int(size)
     return numel * value.element_size()
+
+
+def is_copyable(node: fx.Node) -> bool:
+    """An op whose copy computes what it computed: a pure aten or prims op that draws no
+    random numbers, a getitem, or arithmetic on symbolic sizes."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
+                and not draws_random_numbers(node))
+    return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
+
+
+def made_from_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The pure aten and prims nodes without matrix work (and getitems, symbolic-size
+    arithmetic) whose inputs are graph inputs (placeholders, attributes) or such nodes:
+    functions of the inputs alone."""
+    found: set[fx.Node] = set()
+    for node in nodes:
+        if (node.op == "call_function"
+                and all(a.op in ("placeholder", "get_attr") or a in found
+                        for a in node.all_input_nodes)
+                and is_copyable(node) and node_flops(node) == 0):
+            found.add(node)
+    return found
+
+
+def loss_tails(graph: fx.Graph, nodes: list[fx.Node],
+               from_inputs: set[fx.Node]) -> dict[fx.Node, Owner]:
+    """The forward nodes of a block's loss tail, by the (block, piece) they are of: pure
+    nodes that only feed what the forward returns to the user (the loss sum), whose
+    inputs, graph inputs and values made from them alone aside, are all read by the early
+    nodes of one (block, piece) (``mul(soft_targets, log_softmax)``: the block's backward
+    reads its log-softmax). `assign_streams` runs such a node in its block, and
+    `copy_input_values_per_block` gives it the block's copy. Without output descriptors,
+    none."""
+    returned = returned_to_the_user(graph)
+    if returned is None:
+        return {}
+    tails: dict[fx.Node, Owner] = {}
+    for node in feeds_returns_only(nodes, returned, lambda node: not is_early(node)):
+        computed = [a for a in node.all_input_nodes
+                    if a.op not in ("placeholder", "get_attr") and a not in from_inputs]
+        owners = {early_owner(u) for a in computed for u in a.users} - {None}
+        if (computed and len(owners) == 1 and not node.is_impure()
+                and all(any(is_early(u) for u in a.users) for a in computed)):
+            tails[node] = owners.pop()
+    return tails

@@ -91,3 +91,19 @@ def is_early(node: fx.Node) -> bool:
     """Whether the node belongs to an early block's backward."""
     meta = get_meta(node)
     return meta is not None and meta.role is Role.EARLY_BACKWARD
+
+
+#: Whose early nodes read a value: (block, piece).
+Owner = tuple[int, "int | None"]
+
+
+def early_owner(node: fx.Node) -> Owner | None:
+    """The (block, piece) of an early node; None for any other node, and for a node of a
+    block at the graph's end (`NodeMeta.at_graph_end`): it reads the forward's values as
+    the main stream does, after every other block."""
+    if not is_early(node):
+        return None
+    meta = get_meta(node)
+    if meta.at_graph_end:
+        return None
+    return meta.block, meta.piece

@@ -6,10 +6,11 @@ import torch
 
 from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
-from erase_fx.passes import MAIN_STREAM, Role, assign_streams, get_meta
+from erase_fx.passes import MAIN_STREAM, OwnerReason, Role, assign_streams, get_meta
 from erase_fx.passes.assign_streams import check_stream_assignment, stream_of_block
 from erase_fx.passes.graph import clone_module, output_node
 from erase_fx.passes.node_meta import NodeMeta, set_meta
+from erase_fx.passes.ownership import decide_ownership
 from erase_fx.passes.pass_result import PassContext, PassResult
 from graphs import (
     Chain,
@@ -85,6 +86,50 @@ def test_heads_and_local_losses_run_on_their_block_stream_and_the_sum_after_the_
     assert not any(targets(gm, [n.name])[0] == "native_layer_norm" for n in after_join)
 
 
+def ops_by_reason(stages) -> dict[tuple[int | None, OwnerReason], set[str]]:
+    """The ops of the forward by (owner, reason), from `assign_streams`' artifact."""
+    gm = stages.assigned.gm
+    found: dict[tuple[int | None, OwnerReason], set[str]] = {}
+    for name, owned in stages.assigned.artifact.owners.items():
+        found.setdefault(owned, set()).update(targets(gm, [name]))
+    return found
+
+
+def test_each_node_has_one_owner_and_the_reason_it_is_there():
+    """The artifact says whose each node is and why: each early block's backward is its own
+    (early), so is its head (head: only the block reads it) and its loss's tail after the
+    saved log-softmax (loss_tail: only the scalar crosses the join); the stages and the loss
+    sum are the main stream's, the sum after the join; a getitem is where its op is. The
+    meta agrees."""
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="inductor",
+                                                          tuning=Tuning(stages_on_side=False)),
+                    inner="inductor")
+    ops = ops_by_reason(stages)
+    for block in (0, 1):
+        assert {"addmm", "amax", "exp"} <= ops[(block, OwnerReason.HEAD)]  # log-softmax
+        assert "gather" in ops[(block, OwnerReason.LOSS_TAIL)]
+        assert "mm" in ops[(block, OwnerReason.EARLY)]
+    assert {"var_mean", "gather", "add"} <= ops[(None, OwnerReason.MAIN)]  # stages, last loss
+    assert ops[(None, OwnerReason.WITH_PRODUCER)] == {"getitem"}  # var_mean's, a stage's
+    assert {owned[1] for owned in stages.assigned.artifact.owners.values()} == {
+        OwnerReason.MAIN, OwnerReason.EARLY, OwnerReason.HEAD, OwnerReason.LOSS_TAIL,
+        OwnerReason.WITH_PRODUCER}
+    by_name = {n.name: n for n in stages.assigned.gm.graph.nodes}
+    for name, (block, _) in stages.assigned.artifact.owners.items():
+        assert get_meta(by_name[name]).block == block
+
+
+def test_ownership_is_decided_on_the_graph_as_it_is_and_cannot_be_changed():
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    gm = stages.copied.gm
+    code = gm.code
+    ownership = decide_ownership(list(gm.graph.nodes), stages.cfg)
+    assert gm.code == code
+    with pytest.raises(TypeError):
+        ownership.owner[next(iter(gm.graph.nodes))] = 0
+    assert ownership.named() == stages.assigned.artifact.owners
+
+
 def test_an_early_node_the_main_stream_reads_moves_to_it_with_its_inputs():
     stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
     fw, _ = clone_module(stages.fw)
@@ -104,6 +149,8 @@ def test_an_early_node_the_main_stream_reads_moves_to_it_with_its_inputs():
     by_name = {n.name: n for n in assigned.graph.nodes}
     moved = by_name[target.name]
     assert get_meta(moved).stream == MAIN_STREAM
+    assert decide_ownership(list(fw.graph.nodes), stages.cfg).named()[target.name] == (
+        None, OwnerReason.SHARED)
     assert all(get_meta(a).stream == MAIN_STREAM for a in moved.all_input_nodes)
     check_streams(assigned)
 
@@ -153,6 +200,8 @@ def test_a_loss_reading_soft_targets_made_after_its_launch_point_runs_in_its_blo
     assert stages.copied.modified  # the copies that moved the launch point before the targets
     crossing = main_reads_of_side_values(stages.assigned.gm)
     assert crossing and all(shape == () for _, shape in crossing), crossing
+    reasons = {why for _, why in stages.assigned.artifact.owners.values()}
+    assert (OwnerReason.INPUT_VALUE in reasons) == (blocks == 2)
 
 
 class LateLossTerm(torch.nn.Module):
@@ -198,7 +247,7 @@ def test_a_block_never_waits_for_matrix_work_to_run_its_loss_tail(monkeypatch):
 
     block, product = _block_launch_index(stages())
     assert block < product
-    module = importlib.import_module("erase_fx.passes.assign_streams")
+    module = importlib.import_module("erase_fx.passes.ownership")
     monkeypatch.setattr(module, "node_flops", lambda node: 0)
     block, product = _block_launch_index(stages())
     assert block > product
@@ -239,7 +288,7 @@ def test_shared_soft_targets_never_delay_the_block(copy_input_values, monkeypatc
 
     block, product = _block_launch_index(stages())
     assert block < product
-    module = importlib.import_module("erase_fx.passes.assign_streams")
+    module = importlib.import_module("erase_fx.passes.ownership")
     monkeypatch.setattr(module, "node_flops", lambda node: 0)
     block, product = _block_launch_index(stages())
     assert (block < product) if copy_input_values else (block > product)
@@ -264,6 +313,9 @@ def test_each_early_blocks_stage_runs_on_its_stream_so_its_activations_never_cro
     gm = stages.assigned.gm
     stage, rest = _stage_and_block_nodes(gm)
     assert set(stage) == set(rest) == {0, 1}
+    owners = stages.assigned.artifact.owners
+    assert {owners[n.name][1] for nodes in stage.values() for n in nodes} <= {
+        OwnerReason.STAGE, OwnerReason.WITH_PRODUCER}
     for block, nodes in stage.items():
         assert {get_meta(n).stream for n in nodes} == {stream_of_block(block, stages.cfg)}
         assert "native_layer_norm" in targets(gm, [n.name for n in nodes])

@@ -11,13 +11,8 @@ import erase_fx
 from erase_fx.config import EraseConfig, Tuning
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import get_meta, pipeline
-from erase_fx.passes.copy_input_values_per_block import (
-    MIN_BYTES,
-    check_input_values_per_block,
-    loss_tails,
-    made_from_inputs,
-)
-from erase_fx.passes.graph import returned_values, val_of
+from erase_fx.passes.copy_input_values_per_block import check_input_values_per_block
+from erase_fx.passes.graph import MIN_BYTES, loss_tails, made_from_inputs, returned_values, val_of
 from erase_fx.passes.node_meta import NodeMeta, Role, is_early, set_meta
 from erase_fx.passes.pass_result import PassContext
 from erase_fx.report_text import format_report
