@@ -74,7 +74,7 @@ from erase_fx.passes import (
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
 from erase_fx.progress import compiling
-from erase_fx.report import GraphReport, revise
+from erase_fx.report import GraphReport, Whereabouts, revise
 
 log = logging.getLogger("erase_fx")
 
@@ -291,8 +291,8 @@ class GraphCompilation:
     def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
         """Right after the analysis, before the scheduling: the report, unsupported blocks, and
         the outputs whose gradients decide which backward runs."""
-        self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg,
-                                                joint=found.gm, output_names=self.output_names)
+        where = Whereabouts.of(found.artifact, found.gm, self.output_names)
+        self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg, where)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None
