@@ -73,6 +73,7 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
+from erase_fx.plan import CompileRequest
 from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, Whereabouts, revise
 
@@ -86,16 +87,10 @@ NO_EARLY_UPDATE = "no early optimizer update (the optimizer updates after the ba
 class GraphCompilation:
     """The state shared by AOTAutograd's callbacks for one compiled graph."""
 
-    def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str],
-                 ends_at_graph_break: bool = False, output_names: Sequence[str] = ()):
-        self.cfg = cfg
-        #: Dynamo ended this graph at a graph break: more of the forward follows it, which
-        #: its last block's backward can overlap (`erase_fx.emit.graph_end`)
-        self.ends_at_graph_break = ends_at_graph_break
-        self.graph_id = graph_id
-        self.input_names = list(input_names)
-        #: each output of the Dynamo graph, named with where the user's code makes it
-        self.output_names = list(output_names)
+    def __init__(self, request: CompileRequest):
+        #: what the backend gave: the settings, the graph's names, DDP
+        self.request = request
+        cfg, graph_id = request.cfg, request.graph_id
         self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
         self.timing = TimingInstrument()
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
@@ -106,10 +101,6 @@ class GraphCompilation:
         self.fw_metadata: Any = None
         self.graphed_forward: GraphedForward | None = None
         self.finished = False
-        #: the DDP module whose forward this graph is part of (`erase_fx.ddp`), or None
-        self.data_parallel: Any = None
-        #: a whole graph kept from Dynamo's DDP optimizer: without early blocks, hand it back
-        self.require_early_blocks = False
         self.early_allreduce: EarlyAllReduce | None = None
         #: the early gradients an optimizer may update early (`erase_fx.early_update`):
         #: planned from the partition, narrowed once the forward's passes have run
@@ -124,6 +115,14 @@ class GraphCompilation:
         #: gradients of can be watched: a backward without them runs when none gets a gradient
         self.unused_tangents: tuple[str, ...] = ()
         self.live_tangents: LiveTangents | None = None
+
+    @property
+    def cfg(self) -> EraseConfig:
+        return self.request.cfg
+
+    @property
+    def graph_id(self) -> int:
+        return self.request.graph_id
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -148,15 +147,15 @@ class GraphCompilation:
             self.has_early_blocks = False
             fw, bw = stock_partition(joint, joint_inputs, self.cfg,
                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-        if self.require_early_blocks and not self.has_early_blocks:
+        if self.request.require_early_blocks and not self.has_early_blocks:
             raise NoEarlyBlocks(self.graph_id)
-        if self.has_early_blocks and self.data_parallel is not None and self.cfg.early_allreduce:
+        if self.has_early_blocks and self.request.data_parallel is not None and self.cfg.early_allreduce:
             if self.cfg.streams == 0:
                 log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
                          "gradient at .backward()", self.graph_id)
             else:
                 self._plan_early_allreduce(fw, bw, num_fwd_outputs)
-        if self.has_early_blocks and self.data_parallel is None and self.cfg.streams > 0:
+        if self.has_early_blocks and self.request.data_parallel is None and self.cfg.streams > 0:
             self._plan_early_grads(fw, bw, num_fwd_outputs)
         return fw, bw
 
@@ -250,7 +249,7 @@ class GraphCompilation:
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
-        if self.require_early_blocks:
+        if self.request.require_early_blocks:
             raise NoEarlyBlocks(self.graph_id)
         self.report = self.report.with_fallback("inference graph: no backward to run early")
         return compile_graph(gm, example_inputs, self.cfg.inner, **inductor_kwargs)
@@ -267,7 +266,7 @@ class GraphCompilation:
             after={"find_stop_gradient_blocks": self._note_analysis},
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
             joint_inputs=joint_inputs, partition_kwargs=kwargs,
-            graph_end=self._runs_graph_end(),
+            graph_end=self.request.runs_graph_end,
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
             self.report = self.report.with_fallback("no early block")
@@ -277,21 +276,10 @@ class GraphCompilation:
         self.has_early_blocks = True
         return partition.fw, partition.bw
 
-    def _runs_graph_end(self) -> bool:
-        """Whether a block ready only when the forward ends runs there
-        (`erase_fx.emit.graph_end`): where more of the forward follows the graph (Dynamo
-        ended it at a graph break), for the program to overlap. NB: the program runs such
-        a block or leaves it to the backward, so it needs segments (side streams); under
-        DDP the early all-reduce needs every early gradient made in the forward. A graph
-        that ends at the forward's return keeps its last block in the backward, as stock
-        does: nothing but the backward would follow it."""
-        return (self.ends_at_graph_break and self.cfg.streams > 0
-                and self.data_parallel is None)
-
     def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
         """Right after the analysis, before the scheduling: the report, unsupported blocks, and
         the outputs whose gradients decide which backward runs."""
-        where = Whereabouts.of(found.artifact, found.gm, self.output_names)
+        where = Whereabouts.of(found.artifact, found.gm, self.request.output_names)
         self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg, where)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
@@ -391,7 +379,7 @@ class GraphCompilation:
         """Under DDP: which early gradients the forward all-reduces (`erase_fx.ddp`)."""
         self.early_allreduce = self._unless_it_fails(
             "no early all-reduce (DDP reduces every gradient at .backward())",
-            lambda: early_allreduce_for(self.data_parallel, self.graph_id, fw, bw,
+            lambda: early_allreduce_for(self.request.data_parallel, self.graph_id, fw, bw,
                                         num_fwd_outputs, self.cfg.on_error))
 
     def _plan_early_grads(self, fw: fx.GraphModule, bw: fx.GraphModule,
@@ -468,7 +456,7 @@ class GraphCompilation:
         names = []
         for i, node in enumerate(primals(joint.graph)):
             index = getattr(node.meta.get("desc"), "idx", i)
-            names.append(self.input_names[index] if index < len(self.input_names) else node.name)
+            names.append(self.request.input_names[index] if index < len(self.request.input_names) else node.name)
         return names
 
     def _note_forward_metadata(self) -> None:
