@@ -206,11 +206,7 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
-        compilation.backward_guard.guard(outputs)
-        if compilation.live_tangents is not None:
-            compilation.live_tangents.watch(outputs)
-        if compilation.graph_end is not None:
-            compilation.graph_end.watch(outputs)
+        compilation.watch(outputs)
         return outputs
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.

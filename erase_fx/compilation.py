@@ -37,8 +37,8 @@ import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
-from erase_fx.early_grads import EarlyGrad, plan_early_grads
+from erase_fx.ddp import NoEarlyBlocks, early_allreduce_for
+from erase_fx.early_grads import plan_early_grads
 from erase_fx.early_update import EarlyUpdates, plan_early_updates, unprovable_loss_gradient
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import (
@@ -73,7 +73,7 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
-from erase_fx.plan import CompileRequest
+from erase_fx.plan import CompileRequest, FoundBlocks, JointPlan
 from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, Whereabouts, revise
 
@@ -95,26 +95,17 @@ class GraphCompilation:
         self.timing = TimingInstrument()
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
-        self.has_early_blocks = False
         #: raises clear errors on backward uses erase_fx cannot run (erase_fx.guards)
         self.backward_guard = BackwardGuard()
         self.fw_metadata: Any = None
         self.graphed_forward: GraphedForward | None = None
         self.finished = False
-        self.early_allreduce: EarlyAllReduce | None = None
-        #: the early gradients an optimizer may update early (`erase_fx.early_update`):
-        #: planned from the partition, narrowed once the forward's passes have run
-        self.early_grads: tuple[EarlyGrad, ...] = ()
-        self.differentiable_outputs = 0
+        #: what ``partition`` decided (None before it, and for an inference graph)
+        self.joint: JointPlan | None = None
         self.early_updates: EarlyUpdates | None = None
         #: the blocks at the graph's end of the compiled forward (`erase_fx.emit.graph_end`)
         self.graph_end: GraphEnd | None = None
         self.program: StreamProgram | None = None
-        self.num_fwd_outputs = 0
-        #: the tangents early blocks read besides their loss's, when the outputs they are the
-        #: gradients of can be watched: a backward without them runs when none gets a gradient
-        self.unused_tangents: tuple[str, ...] = ()
-        self.live_tangents: LiveTangents | None = None
 
     @property
     def cfg(self) -> EraseConfig:
@@ -123,6 +114,12 @@ class GraphCompilation:
     @property
     def graph_id(self) -> int:
         return self.request.graph_id
+
+    @property
+    def has_early_blocks(self) -> bool:
+        """Whether the graph runs early blocks: the partition scheduled some (a later
+        failure in the forward or the backward keeps them, on one stream)."""
+        return self.joint is not None and self.joint.early_blocks
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -140,23 +137,22 @@ class GraphCompilation:
             # graphs, with no inputs: those keep the stock partitioner.
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
+        found: list[FoundBlocks] = []  # the analysis, kept when a later joint pass fails
         try:
-            fw, bw = self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+            split = self._partition(joint, joint_inputs, num_fwd_outputs, kwargs, found.append)
         except Exception as error:  # noqa: BLE001 - the documented fallback
             self._fall_back("partition", error)
-            self.has_early_blocks = False
+            split = None
+        if split is None:  # no early block, or the partition failed: the stock partition
             fw, bw = stock_partition(joint, joint_inputs, self.cfg,
                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-        if self.request.require_early_blocks and not self.has_early_blocks:
-            raise NoEarlyBlocks(self.graph_id)
-        if self.has_early_blocks and self.request.data_parallel is not None and self.cfg.early_allreduce:
-            if self.cfg.streams == 0:
-                log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
-                         "gradient at .backward()", self.graph_id)
-            else:
-                self._plan_early_allreduce(fw, bw, num_fwd_outputs)
-        if self.has_early_blocks and self.request.data_parallel is None and self.cfg.streams > 0:
-            self._plan_early_grads(fw, bw, num_fwd_outputs)
+            self.joint = JointPlan(num_fwd_outputs, found[0] if found else None)
+            if self.request.require_early_blocks:
+                raise NoEarlyBlocks(self.graph_id)
+        else:
+            fw, bw = split
+            self.joint = self._plan_early_gradients(JointPlan(num_fwd_outputs, found[0], True),
+                                                    fw, bw)
         return fw, bw
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -210,12 +206,12 @@ class GraphCompilation:
         if self.dump is not None:
             self.runner.record("bwd", bw)
         lean = None
-        if self.live_tangents is not None and self.has_early_blocks:
+        if self.has_early_blocks and self.joint.live_tangents is not None:
             lean = self._unless_it_fails(
                 "the whole backward runs when the outputs besides the loss get no gradient",
                 lambda: self._compile_backward_passes(
                     bw, example_inputs, dict(inductor_kwargs), UNUSED_TANGENT_BACKWARD_PASSES,
-                    unused_tangents=self.unused_tangents))
+                    unused_tangents=self.joint.unused_tangents))
         compiled = None
         if self.has_early_blocks:
             try:
@@ -226,11 +222,11 @@ class GraphCompilation:
         if compiled is None:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if lean is not None:
-            compiled = SelectedBackward(lean, compiled, self.live_tangents)
+            compiled = SelectedBackward(lean, compiled, self.joint.live_tangents)
         if self.graph_end is not None and self.has_early_blocks:
             compiled = self._after_graph_end(compiled, bw)
-        if self.early_allreduce is not None:
-            compiled = self.early_allreduce.wrap_backward(compiled)
+        if self.joint.early_allreduce is not None:
+            compiled = self.joint.early_allreduce.wrap_backward(compiled)
         if self.early_updates is not None:
             compiled = self.early_updates.wrap_backward(compiled)
         return compiled
@@ -242,7 +238,7 @@ class GraphCompilation:
         after the saved SymInts, which come first."""
         num_symints = sum(1 for n in bw.graph.find_nodes(op="placeholder")
                           if not is_tangent(n) and not isinstance(n.meta.get("val"), torch.Tensor))
-        gradients = [(num_symints + i - self.num_fwd_outputs, i)
+        gradients = [(num_symints + i - self.joint.num_fwd_outputs, i)
                      for i in self.program.graph_end_results]
         return GraphEndBackward(compiled, self.graph_end, gradients, self.program.run_graph_end,
                                 self.program.wait_graph_end)
@@ -257,36 +253,36 @@ class GraphCompilation:
     # -- the pipeline ---------------------------------------------------------
 
     def _partition(
-        self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict,
+        note: Callable[[FoundBlocks], None],
+    ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+        """The joint passes: the forward and backward with early blocks, or None where the
+        analysis found none; ``note`` is given the analysis as soon as it is made."""
         self.runner.record("joint", joint)
-        self.num_fwd_outputs = num_fwd_outputs
         results = run_passes(
             JOINT_PASSES, joint, self.cfg, runner=self.runner,
-            after={"find_stop_gradient_blocks": self._note_analysis},
+            after={"find_stop_gradient_blocks": lambda found: note(self._found_blocks(found))},
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
             joint_inputs=joint_inputs, partition_kwargs=kwargs,
             graph_end=self.request.runs_graph_end,
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
             self.report = self.report.with_fallback("no early block")
-            return stock_partition(joint, joint_inputs, self.cfg,
-                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+            return None
         partition = results["partition_joint_graph"].artifact
-        self.has_early_blocks = True
         return partition.fw, partition.bw
 
-    def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
-        """Right after the analysis, before the scheduling: the report, unsupported blocks, and
-        the outputs whose gradients decide which backward runs."""
+    def _found_blocks(self, found: PassResult[BlockAnalysis]) -> FoundBlocks:
+        """Right after the analysis, before the scheduling: unsupported blocks, where the
+        report's nodes are, and the outputs whose gradients decide which backward runs."""
         where = Whereabouts.of(found.artifact, found.gm, self.request.output_names)
         self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg, where)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None
-        if watched is not None:
-            self.unused_tangents = tuple(other)
-            self.live_tangents = LiveTangents(watched)
+        if watched is None:
+            return FoundBlocks(found.artifact, where)
+        return FoundBlocks(found.artifact, where, tuple(other), LiveTangents(watched))
 
     def _note_input_copies(self, copied: PassResult[InputValueCopies]) -> None:
         sizes = copied.artifact.sizes
@@ -329,14 +325,14 @@ class GraphCompilation:
         program = StreamProgram.build(segmented, compiled, streams, self.cfg.tuning.release_lag,
                                       self.cfg.tuning.side_cuda_streams)
         if program.graph_end is not None:
-            if any(i < self.num_fwd_outputs for i in program.graph_end_results):
+            if any(i < self.joint.num_fwd_outputs for i in program.graph_end_results):
                 raise GraphInvariantError("emit", "a block at the graph's end makes a value the "
                                           "forward returns to the user: it cannot be left to "
                                           "the backward")
             program.graph_end.name = f"graph {self.graph_id}"
             self.graph_end, self.program = program.graph_end, program
-        if self.early_allreduce is not None:
-            self.early_allreduce.attach(program)
+        if self.joint.early_allreduce is not None:
+            self.joint.early_allreduce.attach(program)
         if self.early_updates is not None:
             self.early_updates.attach(program)
         return program
@@ -374,38 +370,46 @@ class GraphCompilation:
                         type(error).__name__, error)
             return None
 
-    def _plan_early_allreduce(self, fw: fx.GraphModule, bw: fx.GraphModule,
-                              num_fwd_outputs: int) -> None:
-        """Under DDP: which early gradients the forward all-reduces (`erase_fx.ddp`)."""
-        self.early_allreduce = self._unless_it_fails(
-            "no early all-reduce (DDP reduces every gradient at .backward())",
-            lambda: early_allreduce_for(self.request.data_parallel, self.graph_id, fw, bw,
-                                        num_fwd_outputs, self.cfg.on_error))
-
-    def _plan_early_grads(self, fw: fx.GraphModule, bw: fx.GraphModule,
-                          num_fwd_outputs: int) -> None:
-        """The whole early gradients: those an optimizer step may update early
-        (`erase_fx.early_update`)."""
-        self.early_grads = self._unless_it_fails(
-            NO_EARLY_UPDATE, lambda: plan_early_grads(fw, bw, num_fwd_outputs)) or ()
-        self.differentiable_outputs = sum(
-            1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
+    def _plan_early_gradients(self, plan: JointPlan, fw: fx.GraphModule,
+                              bw: fx.GraphModule) -> JointPlan:
+        """``plan`` (early blocks scheduled), with what their gradients do besides the
+        backward: under DDP, which the forward all-reduces (`erase_fx.ddp`); else the whole
+        ones, which an optimizer step may update early (`erase_fx.early_update`)."""
+        if self.request.data_parallel is not None:
+            if not self.cfg.early_allreduce:
+                return plan
+            if self.cfg.streams == 0:
+                log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
+                         "gradient at .backward()", self.graph_id)
+                return plan
+            return dataclasses.replace(plan, early_allreduce=self._unless_it_fails(
+                "no early all-reduce (DDP reduces every gradient at .backward())",
+                lambda: early_allreduce_for(self.request.data_parallel, self.graph_id, fw, bw,
+                                            plan.num_fwd_outputs, self.cfg.on_error)))
+        if self.cfg.streams == 0:
+            return plan
+        grads = self._unless_it_fails(
+            NO_EARLY_UPDATE, lambda: plan_early_grads(fw, bw, plan.num_fwd_outputs)) or ()
+        return dataclasses.replace(plan, early_grads=grads, differentiable_outputs=sum(
+            1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n)))
 
     def _plan_early_updates(self, fw: fx.GraphModule) -> None:
         """Of the early gradients, those whose parameter the final forward reads only before
         them."""
-        if not self.early_grads:
+        grads = self.joint.early_grads
+        if not grads:
             return
         planned = self._unless_it_fails(
-            NO_EARLY_UPDATE, lambda: plan_early_updates(fw, self.early_grads))
+            NO_EARLY_UPDATE, lambda: plan_early_updates(fw, grads))
         if planned is None:
             return
-        unprovable = unprovable_loss_gradient(self.differentiable_outputs, self.cfg.seed)
+        unprovable = unprovable_loss_gradient(self.joint.differentiable_outputs,
+                                              self.cfg.seed)
         self.report = dataclasses.replace(
             self.report, early_updatable=0 if unprovable else len(planned),
-            whole_early_grads=len(self.early_grads))
+            whole_early_grads=len(grads))
         if planned:
-            self.early_updates = EarlyUpdates(self.graph_id, self.early_grads, planned,
+            self.early_updates = EarlyUpdates(self.graph_id, grads, planned,
                                               unprovable)
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
@@ -432,7 +436,7 @@ class GraphCompilation:
 
     def fall_back_whole(self, error: Exception) -> None:
         """The whole graph takes the stock backend (under ``on_error="fallback"``)."""
-        self.has_early_blocks = False
+        self.joint = None
         self.graphed_forward = None
         self._fall_back("compile", error)
 
@@ -471,7 +475,8 @@ class GraphCompilation:
                              refusal: str | None = None) -> Any:
         """The compiled forward, replayed from a CUDA graph where the config and graph allow
         (``refusal``: why the forward module cannot be, `data_dependent_refusal`)."""
-        if self.early_allreduce is not None and self.early_allreduce.attached:
+        allreduce = self.joint.early_allreduce if self.joint is not None else None
+        if allreduce is not None and allreduce.attached:
             refusal = ("it all-reduces early gradients in the forward (early_allreduce), which "
                        "replay cannot do step by step")
         graphed = graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
@@ -481,6 +486,17 @@ class GraphCompilation:
             return compiled
         self.graphed_forward = graphed
         return graphed
+
+    def watch(self, outputs: Any) -> None:
+        """What each run of the compiled graph does with its ``outputs``: guards the backward
+        uses erase_fx cannot run (`erase_fx.guards`), watches whether the outputs besides the
+        loss get a gradient (`erase_fx.emit.live_tangents`), and those its blocks at the
+        graph's end are waited for through (`erase_fx.emit.graph_end`)."""
+        self.backward_guard.guard(outputs)
+        if self.has_early_blocks and self.joint.live_tangents is not None:
+            self.joint.live_tangents.watch(outputs)
+        if self.graph_end is not None:
+            self.graph_end.watch(outputs)
 
     def finish(self) -> GraphReport:
         self.finished = True

@@ -6,6 +6,10 @@ the backward's), so a compilation decides in stages too; each stage records
 what it decided once, here:
 
     CompileRequest  what the backend gives, before AOTAutograd calls back
+    JointPlan       what ``partition`` decided: the blocks found (`FoundBlocks`), whether
+                    the partition scheduled them, and what their gradients do besides the
+                    backward (all-reduced in the forward under DDP, else the whole early
+                    gradients an optimizer may update early)
 """
 from __future__ import annotations
 
@@ -13,6 +17,11 @@ import dataclasses
 from typing import Any
 
 from erase_fx.config import EraseConfig
+from erase_fx.ddp import EarlyAllReduce
+from erase_fx.early_grads import EarlyGrad
+from erase_fx.emit.live_tangents import LiveTangents
+from erase_fx.passes import BlockAnalysis
+from erase_fx.report import Whereabouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +63,65 @@ class CompileRequest:
         does: nothing but the backward would follow it."""
         return (self.ends_at_graph_break and self.cfg.streams > 0
                 and self.data_parallel is None)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoundBlocks:
+    """The blocks `find_stop_gradient_blocks` found, with what is read of the joint graph
+    they were found in while it is at hand (the plan outlives it).
+
+    Attributes:
+        analysis: the pass's artifact: the blocks, and the components left in the backward.
+        where: where each node the report names is in the model, and each tangent's output.
+        unused_tangents: the tangents early blocks read besides their loss's, when the
+            outputs they are the gradients of can be watched: a backward without them runs
+            when none gets a gradient (`erase_fx.emit.live_tangents`) ...
+        live_tangents: ... and what watches those outputs, or None.
+    """
+
+    analysis: BlockAnalysis
+    where: Whereabouts = Whereabouts()
+    unused_tangents: tuple[str, ...] = ()
+    live_tangents: LiveTangents | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JointPlan:
+    """What ``partition`` decided for the joint graph.
+
+    Attributes:
+        num_fwd_outputs: how many of the forward's outputs are the user's (the rest are
+            saved for the backward).
+        found: the analysis, kept when a later joint pass failed; None where it did not
+            run or failed itself.
+        early_blocks: the partition scheduled early blocks (else: the stock partition).
+        early_allreduce: under DDP, the early gradients the forward all-reduces
+            (`erase_fx.ddp`), or None.
+        early_grads: without DDP, the whole early gradients, those an optimizer may update
+            early (`erase_fx.early_grads.plan_early_grads`), narrowed once the forward's
+            passes have run (`erase_fx.early_update.plan_early_updates`).
+        differentiable_outputs: how many outputs the backward takes a gradient for.
+    """
+
+    num_fwd_outputs: int
+    found: FoundBlocks | None = None
+    early_blocks: bool = False
+    early_allreduce: EarlyAllReduce | None = None
+    early_grads: tuple[EarlyGrad, ...] = ()
+    differentiable_outputs: int = 0
+
+    @property
+    def blocks(self) -> int:
+        """How many early blocks the partition scheduled."""
+        return len(self.found.analysis.blocks) if self.early_blocks and self.found else 0
+
+    @property
+    def live_tangents(self) -> LiveTangents | None:
+        """What watches the outputs besides the loss that early blocks read the gradients
+        of, where the partition scheduled such blocks; else None."""
+        return self.found.live_tangents if self.early_blocks and self.found else None
+
+    @property
+    def unused_tangents(self) -> tuple[str, ...]:
+        """The tangents the backward without those outputs' gradients takes as zero."""
+        return self.found.unused_tangents if self.live_tangents is not None else ()
