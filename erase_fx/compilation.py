@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
-from erase_fx.ddp import NoEarlyBlocks, early_allreduce_for
+from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
 from erase_fx.early_grads import plan_early_grads
 from erase_fx.early_update import EarlyUpdates, plan_early_updates, unprovable_loss_gradient
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
@@ -52,7 +52,7 @@ from erase_fx.emit.inductor_segments import (
     keep_early_values_at_fx_strides,
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
-from erase_fx.emit.graph_end import GraphEnd, GraphEndBackward
+from erase_fx.emit.graph_end import GraphEndBackward
 from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, output_indices
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
@@ -73,7 +73,7 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
-from erase_fx.plan import CompileRequest, FoundBlocks, JointPlan
+from erase_fx.plan import CompileRequest, EarlyHook, ForwardPlan, FoundBlocks, JointPlan
 from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, Whereabouts, revise
 
@@ -97,15 +97,11 @@ class GraphCompilation:
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
         #: raises clear errors on backward uses erase_fx cannot run (erase_fx.guards)
         self.backward_guard = BackwardGuard()
-        self.fw_metadata: Any = None
-        self.graphed_forward: GraphedForward | None = None
         self.finished = False
         #: what ``partition`` decided (None before it, and for an inference graph)
         self.joint: JointPlan | None = None
-        self.early_updates: EarlyUpdates | None = None
-        #: the blocks at the graph's end of the compiled forward (`erase_fx.emit.graph_end`)
-        self.graph_end: GraphEnd | None = None
-        self.program: StreamProgram | None = None
+        #: what ``compile_forward`` decided (None before it)
+        self.forward: ForwardPlan | None = None
 
     @property
     def cfg(self) -> EraseConfig:
@@ -166,7 +162,7 @@ class GraphCompilation:
 
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                         **inductor_kwargs: Any) -> Any:
-        self._note_forward_metadata()
+        fw_metadata = self._note_forward_metadata()
         # NB: before compiling: Inductor takes the module over
         data_dependent = data_dependent_refusal(fw)
         blocks = len(self.report.blocks)
@@ -180,25 +176,28 @@ class GraphCompilation:
             in_segments = self.cfg.streams > 0
             label = (f"{early}; with {self.cfg.inner}, in segments: " if in_segments else
                      f"{early}, no side stream; with {self.cfg.inner}, in one graph: ")
+        program, hooks = None, ()
         with compiling(self.graph_id, "forward", label):
-            compiled = None
             if in_segments:
                 try:
-                    compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
+                    program, hooks = self._compile_segments(fw, example_inputs, inductor_kwargs)
                 except Exception as error:  # noqa: BLE001 - the documented fallback
                     self._fall_back("compile_forward", error, keep_schedule=True)
-            if compiled is None:
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-        return self._maybe_graph_forward(compiled, example_inputs, data_dependent)
+            compiled = program if program is not None else compile_graph(
+                fw, example_inputs, self.cfg.inner, **inductor_kwargs)
+        graphed = self._graph_forward(compiled, example_inputs, fw_metadata, data_dependent,
+                                      hooks)
+        self.forward = ForwardPlan(program, hooks, graphed)
+        return compiled if graphed is None else graphed
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                          **inductor_kwargs: Any) -> Any:
         with compiling(self.graph_id, "backward"):
             compiled = self._compile_backward(bw, example_inputs, inductor_kwargs)
-        if self.graphed_forward is None:
+        if self.forward.graphed is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
-        return graph_backward(self.graphed_forward, compiled, num_saved,
+        return graph_backward(self.forward.graphed, compiled, num_saved,
                               name=f"graph {self.graph_id} backward")
 
     def _compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
@@ -223,15 +222,12 @@ class GraphCompilation:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if lean is not None:
             compiled = SelectedBackward(lean, compiled, self.joint.live_tangents)
-        if self.graph_end is not None and self.has_early_blocks:
-            compiled = self._after_graph_end(compiled, bw)
-        if self.joint.early_allreduce is not None:
-            compiled = self.joint.early_allreduce.wrap_backward(compiled)
-        if self.early_updates is not None:
-            compiled = self.early_updates.wrap_backward(compiled)
-        return compiled
+        if self.forward.graph_end is not None and self.has_early_blocks:
+            compiled = self._after_graph_end(compiled, bw, self.forward.program)
+        return self.forward.wrap_backward(compiled)
 
-    def _after_graph_end(self, compiled: Any, bw: fx.GraphModule) -> GraphEndBackward:
+    def _after_graph_end(self, compiled: Any, bw: fx.GraphModule,
+                         program: StreamProgram) -> GraphEndBackward:
         """The backward waiting for its forward's blocks at the graph's end, or running them
         (`erase_fx.emit.graph_end`). Their values are saved tensors: forward output ``i``
         (after the user's ``num_fwd_outputs``) is backward argument ``i - num_fwd_outputs``
@@ -239,9 +235,9 @@ class GraphCompilation:
         num_symints = sum(1 for n in bw.graph.find_nodes(op="placeholder")
                           if not is_tangent(n) and not isinstance(n.meta.get("val"), torch.Tensor))
         gradients = [(num_symints + i - self.joint.num_fwd_outputs, i)
-                     for i in self.program.graph_end_results]
-        return GraphEndBackward(compiled, self.graph_end, gradients, self.program.run_graph_end,
-                                self.program.wait_graph_end)
+                     for i in program.graph_end_results]
+        return GraphEndBackward(compiled, program.graph_end, gradients, program.run_graph_end,
+                                program.wait_graph_end)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
@@ -296,14 +292,17 @@ class GraphCompilation:
             boundary_bytes_before=sum(found.bytes_before.get(k, 0) for k in found.recomputed),
             boundary_bytes_after=sum(found.bytes_after.get(k, 0) for k in found.recomputed))
 
-    def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
-                          inductor_kwargs: dict[str, Any]) -> StreamProgram:
+    def _compile_segments(
+        self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any]
+    ) -> tuple[StreamProgram, tuple[EarlyHook, ...]]:
+        """The forward's passes, its segments compiled, the program that drives them, and
+        the early work hooked to it."""
         results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
                              after={"copy_input_values_per_block": self._note_input_copies,
                                     "recompute_boundary_values": self._note_recomputes})
         segmented = results["split_segments"]
         # NB: the forward as split_segments cut it: the readers the stream program runs
-        self._plan_early_updates(module_given_to(results, "split_segments"))
+        updates = self._plan_early_updates(module_given_to(results, "split_segments"))
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(
                 segmented, fw, example_inputs, inductor_kwargs,
@@ -330,12 +329,18 @@ class GraphCompilation:
                                           "forward returns to the user: it cannot be left to "
                                           "the backward")
             program.graph_end.name = f"graph {self.graph_id}"
-            self.graph_end, self.program = program.graph_end, program
-        if self.joint.early_allreduce is not None:
-            self.joint.early_allreduce.attach(program)
-        if self.early_updates is not None:
-            self.early_updates.attach(program)
-        return program
+        return program, self._attach_early_work(program, updates)
+
+    def _attach_early_work(self, program: StreamProgram,
+                           updates: EarlyUpdates | None) -> tuple[EarlyHook, ...]:
+        """The one place the early gradients' work besides the backward is hooked to the
+        program: their all-reduce under DDP (planned by the partition), or the optimizer's
+        early updates (``updates``); the backward is wrapped with the same hooks, in this
+        order (`ForwardPlan.wrap_backward`)."""
+        hooks = tuple(hook for hook in (self.joint.early_allreduce, updates) if hook is not None)
+        for hook in hooks:
+            hook.attach(program)
+        return hooks
 
     def _compile_backward_passes(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any], passes: Sequence[Any],
@@ -393,24 +398,22 @@ class GraphCompilation:
         return dataclasses.replace(plan, early_grads=grads, differentiable_outputs=sum(
             1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n)))
 
-    def _plan_early_updates(self, fw: fx.GraphModule) -> None:
+    def _plan_early_updates(self, fw: fx.GraphModule) -> EarlyUpdates | None:
         """Of the early gradients, those whose parameter the final forward reads only before
         them."""
         grads = self.joint.early_grads
         if not grads:
-            return
+            return None
         planned = self._unless_it_fails(
             NO_EARLY_UPDATE, lambda: plan_early_updates(fw, grads))
         if planned is None:
-            return
+            return None
         unprovable = unprovable_loss_gradient(self.joint.differentiable_outputs,
                                               self.cfg.seed)
         self.report = dataclasses.replace(
             self.report, early_updatable=0 if unprovable else len(planned),
             whole_early_grads=len(grads))
-        if planned:
-            self.early_updates = EarlyUpdates(self.graph_id, grads, planned,
-                                              unprovable)
+        return EarlyUpdates(self.graph_id, grads, planned, unprovable) if planned else None
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
@@ -436,8 +439,7 @@ class GraphCompilation:
 
     def fall_back_whole(self, error: Exception) -> None:
         """The whole graph takes the stock backend (under ``on_error="fallback"``)."""
-        self.joint = None
-        self.graphed_forward = None
+        self.joint = self.forward = None
         self._fall_back("compile", error)
 
     def _fall_back(self, where: str, error: Exception, keep_schedule: bool = False) -> None:
@@ -463,29 +465,26 @@ class GraphCompilation:
             names.append(self.request.input_names[index] if index < len(self.request.input_names) else node.name)
         return names
 
-    def _note_forward_metadata(self) -> None:
+    def _note_forward_metadata(self) -> Any:
+        """AOT's metadata of the forward being compiled (None outside AOT); the backward
+        guard learns from it whether the backward donates buffers."""
         from torch._guards import TracingContext
 
         context = TracingContext.try_get()
-        self.fw_metadata = getattr(context, "fw_metadata", None) if context else None
-        self.backward_guard.donates_buffers = bool(
-            getattr(self.fw_metadata, "bw_donated_idxs", None))
+        fw_metadata = getattr(context, "fw_metadata", None) if context else None
+        self.backward_guard.donates_buffers = bool(getattr(fw_metadata, "bw_donated_idxs", None))
+        return fw_metadata
 
-    def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any],
-                             refusal: str | None = None) -> Any:
+    def _graph_forward(self, compiled: Any, example_inputs: Sequence[Any], fw_metadata: Any,
+                       refusal: str | None, hooks: Sequence[EarlyHook]) -> GraphedForward | None:
         """The compiled forward, replayed from a CUDA graph where the config and graph allow
-        (``refusal``: why the forward module cannot be, `data_dependent_refusal`)."""
-        allreduce = self.joint.early_allreduce if self.joint is not None else None
-        if allreduce is not None and allreduce.attached:
+        (``refusal``: why the forward module cannot be, `data_dependent_refusal`), else None."""
+        if any(isinstance(hook, EarlyAllReduce) for hook in hooks):
             refusal = ("it all-reduces early gradients in the forward (early_allreduce), which "
                        "replay cannot do step by step")
-        graphed = graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
-                                fw_metadata=self.fw_metadata, name=f"graph {self.graph_id}",
-                                refusal=refusal)
-        if graphed is None:
-            return compiled
-        self.graphed_forward = graphed
-        return graphed
+        return graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
+                             fw_metadata=fw_metadata, name=f"graph {self.graph_id}",
+                             refusal=refusal)
 
     def watch(self, outputs: Any) -> None:
         """What each run of the compiled graph does with its ``outputs``: guards the backward
@@ -495,8 +494,8 @@ class GraphCompilation:
         self.backward_guard.guard(outputs)
         if self.has_early_blocks and self.joint.live_tangents is not None:
             self.joint.live_tangents.watch(outputs)
-        if self.graph_end is not None:
-            self.graph_end.watch(outputs)
+        if self.forward is not None and self.forward.graph_end is not None:
+            self.forward.graph_end.watch(outputs)
 
     def finish(self) -> GraphReport:
         self.finished = True

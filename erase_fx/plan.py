@@ -10,15 +10,20 @@ what it decided once, here:
                     the partition scheduled them, and what their gradients do besides the
                     backward (all-reduced in the forward under DDP, else the whole early
                     gradients an optimizer may update early)
+    ForwardPlan     what ``compile_forward`` decided: the stream program, the early work
+                    hooked to it (`EarlyHook`), the CUDA graph it replays from
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 from erase_fx.config import EraseConfig
 from erase_fx.ddp import EarlyAllReduce
 from erase_fx.early_grads import EarlyGrad
+from erase_fx.emit import StreamProgram
+from erase_fx.emit.cudagraphs import GraphedForward
+from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.live_tangents import LiveTangents
 from erase_fx.passes import BlockAnalysis
 from erase_fx.report import Whereabouts
@@ -125,3 +130,41 @@ class JointPlan:
     def unused_tangents(self) -> tuple[str, ...]:
         """The tangents the backward without those outputs' gradients takes as zero."""
         return self.found.unused_tangents if self.live_tangents is not None else ()
+
+
+class EarlyHook(Protocol):
+    """Work on the early gradients besides the backward's: one completion hook per block on
+    the forward's program, and the backward wrapped to match (`erase_fx.ddp.EarlyAllReduce`,
+    `erase_fx.early_update.EarlyUpdates`)."""
+
+    def attach(self, program: StreamProgram) -> None: ...
+
+    def wrap_backward(self, compiled: Any) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan:
+    """What ``compile_forward`` decided.
+
+    Attributes:
+        program: the forward in segments, on streams; None where it was compiled whole
+            (no early block, no side stream, or the segments failed).
+        early_hooks: the early work hooked to ``program``, in order; the backward is
+            wrapped with the same (`wrap_backward`).
+        graphed: the CUDA graph the forward replays from, or None.
+    """
+
+    program: StreamProgram | None = None
+    early_hooks: tuple[EarlyHook, ...] = ()
+    graphed: GraphedForward | None = None
+
+    @property
+    def graph_end(self) -> GraphEnd | None:
+        """The program's blocks at the graph's end (`erase_fx.emit.graph_end`), or None."""
+        return self.program.graph_end if self.program is not None else None
+
+    def wrap_backward(self, compiled: Any) -> Any:
+        """The compiled backward wrapped by each early hook, in order."""
+        for hook in self.early_hooks:
+            compiled = hook.wrap_backward(compiled)
+        return compiled
