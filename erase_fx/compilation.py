@@ -8,12 +8,15 @@ gradient is needed. Each callback runs its pass list, declared once in
 `BACKWARD_PASSES`), with `run_passes`, through a `PassRunner` whose
 instruments time and dump each pass; then it does what is not a pass::
 
-    partition         JOINT_PASSES; no early block: the stock partitioner
+    partition         JOINT_PASSES; no early block: the stock partitioner. Records a
+                      JointPlan: the blocks found, and what their gradients do besides
+                      the backward (early all-reduce under DDP, else early updates)
     compile_forward   FORWARD_PASSES, then each segment compiled, and the StreamProgram
-                      driving them (CUDA graphs where allowed); with ``streams=0``
-                      the forward compiled whole, on the main stream
+                      driving them (CUDA graphs where allowed), the early all-reduce or
+                      updates hooked to it; with ``streams=0`` the forward compiled
+                      whole, on the main stream. Records a ForwardPlan
     compile_backward  BACKWARD_PASSES, then compiled, as a ScaledBackward (scales early
-                      grads in place)
+                      grads in place), wrapped by the forward's early hooks
 
 With Inductor inside, these callbacks plug into stock Inductor's own
 ``compile_fx`` (`erase_fx.backend`): ``partition`` is its custom partitioner
@@ -64,8 +67,6 @@ from erase_fx.passes import (
     JOINT_PASSES,
     UNUSED_TANGENT_BACKWARD_PASSES,
     BlockAnalysis,
-    BoundaryRecomputes,
-    InputValueCopies,
     PassResult,
     module_given_to,
     run_passes,
@@ -73,7 +74,16 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
-from erase_fx.plan import CompileRequest, EarlyHook, ForwardPlan, FoundBlocks, JointPlan
+from erase_fx.plan import (
+    CompileRequest,
+    EarlyHook,
+    Fallback,
+    ForwardPlan,
+    FoundBlocks,
+    JointPlan,
+    UpdatePlan,
+    report_of,
+)
 from erase_fx.progress import compiling
 from erase_fx.report import GraphReport, Whereabouts, revise
 
@@ -85,23 +95,33 @@ NO_EARLY_UPDATE = "no early optimizer update (the optimizer updates after the ba
 
 
 class GraphCompilation:
-    """The state shared by AOTAutograd's callbacks for one compiled graph."""
+    """AOTAutograd's callbacks for one compiled graph, and what each decided.
+
+    What the backend gave is one frozen `CompileRequest`, fixed for the compilation's life.
+    Each callback records what it decided once, as a frozen plan (`erase_fx.plan`):
+    ``partition`` a `JointPlan`, ``compile_forward`` a `ForwardPlan`; a failure the graph
+    survives is a `Fallback`, in order. The report is built from those when asked for
+    (`report_of`): at `finish`, and again when the backward, compiled later, falls back.
+    """
 
     def __init__(self, request: CompileRequest):
         #: what the backend gave: the settings, the graph's names, DDP
         self.request = request
         cfg, graph_id = request.cfg, request.graph_id
-        self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
         self.timing = TimingInstrument()
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
         #: raises clear errors on backward uses erase_fx cannot run (erase_fx.guards)
         self.backward_guard = BackwardGuard()
-        self.finished = False
         #: what ``partition`` decided (None before it, and for an inference graph)
         self.joint: JointPlan | None = None
         #: what ``compile_forward`` decided (None before it)
         self.forward: ForwardPlan | None = None
+        #: the failures the graph survived, in order
+        self.fallbacks: tuple[Fallback, ...] = ()
+        #: the report `finish` returned (the backend publishes it), revised when the
+        #: backward, compiled at the first ``.backward()``, falls back; None before
+        self.finished: GraphReport | None = None
 
     @property
     def cfg(self) -> EraseConfig:
@@ -113,9 +133,15 @@ class GraphCompilation:
 
     @property
     def has_early_blocks(self) -> bool:
-        """Whether the graph runs early blocks: the partition scheduled some (a later
-        failure in the forward or the backward keeps them, on one stream)."""
-        return self.joint is not None and self.joint.early_blocks
+        """Whether the graph runs early blocks: the partition scheduled some, and no failure
+        since dropped them (one in the forward or the backward keeps them, on one stream)."""
+        return (self.joint is not None and self.joint.early_blocks
+                and all(fallback.keeps_schedule for fallback in self.fallbacks))
+
+    @property
+    def report(self) -> GraphReport:
+        """What erase_fx decided about this graph, so far (`report_of`)."""
+        return report_of(self.request, self.joint, self.forward, self.fallbacks)
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -140,9 +166,9 @@ class GraphCompilation:
             self._fall_back("partition", error)
             split = None
         if split is None:  # no early block, or the partition failed: the stock partition
+            self.joint = JointPlan(num_fwd_outputs, found[0] if found else None)
             fw, bw = stock_partition(joint, joint_inputs, self.cfg,
                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-            self.joint = JointPlan(num_fwd_outputs, found[0] if found else None)
             if self.request.require_early_blocks:
                 raise NoEarlyBlocks(self.graph_id)
         else:
@@ -165,7 +191,7 @@ class GraphCompilation:
         fw_metadata = self._note_forward_metadata()
         # NB: before compiling: Inductor takes the module over
         data_dependent = data_dependent_refusal(fw)
-        blocks = len(self.report.blocks)
+        blocks = self.joint.blocks if self.joint is not None else 0
         early = f"{blocks} early block{'s' if blocks != 1 else ''}"
         in_segments = False
         if not any(is_early(n) for n in fw.graph.nodes):
@@ -177,17 +203,19 @@ class GraphCompilation:
             label = (f"{early}; with {self.cfg.inner}, in segments: " if in_segments else
                      f"{early}, no side stream; with {self.cfg.inner}, in one graph: ")
         program, hooks = None, ()
+        decided: dict[str, Any] = {}  # the ForwardPlan's decisions, kept if a later step fails
         with compiling(self.graph_id, "forward", label):
             if in_segments:
                 try:
-                    program, hooks = self._compile_segments(fw, example_inputs, inductor_kwargs)
+                    program, hooks = self._compile_segments(fw, example_inputs, inductor_kwargs,
+                                                            decided)
                 except Exception as error:  # noqa: BLE001 - the documented fallback
                     self._fall_back("compile_forward", error, keep_schedule=True)
             compiled = program if program is not None else compile_graph(
                 fw, example_inputs, self.cfg.inner, **inductor_kwargs)
         graphed = self._graph_forward(compiled, example_inputs, fw_metadata, data_dependent,
                                       hooks)
-        self.forward = ForwardPlan(program, hooks, graphed)
+        self.forward = ForwardPlan(program, hooks, graphed, **decided)
         return compiled if graphed is None else graphed
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
@@ -243,7 +271,7 @@ class GraphCompilation:
                           **inductor_kwargs: Any) -> Any:
         if self.request.require_early_blocks:
             raise NoEarlyBlocks(self.graph_id)
-        self.report = self.report.with_fallback("inference graph: no backward to run early")
+        self.fallbacks += (Fallback("inference graph: no backward to run early"),)
         return compile_graph(gm, example_inputs, self.cfg.inner, **inductor_kwargs)
 
     # -- the pipeline ---------------------------------------------------------
@@ -263,7 +291,7 @@ class GraphCompilation:
             graph_end=self.request.runs_graph_end,
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
-            self.report = self.report.with_fallback("no early block")
+            self.fallbacks += (Fallback("no early block"),)
             return None
         partition = results["partition_joint_graph"].artifact
         return partition.fw, partition.bw
@@ -272,7 +300,6 @@ class GraphCompilation:
         """Right after the analysis, before the scheduling: unsupported blocks, where the
         report's nodes are, and the outputs whose gradients decide which backward runs."""
         where = Whereabouts.of(found.artifact, found.gm, self.request.output_names)
-        self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg, where)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None
@@ -280,29 +307,20 @@ class GraphCompilation:
             return FoundBlocks(found.artifact, where)
         return FoundBlocks(found.artifact, where, tuple(other), LiveTangents(watched))
 
-    def _note_input_copies(self, copied: PassResult[InputValueCopies]) -> None:
-        sizes = copied.artifact.sizes
-        self.report = dataclasses.replace(self.report, input_copies=len(sizes),
-                                          input_copy_bytes=sum(sizes.values()))
-
-    def _note_recomputes(self, recomputed: PassResult[BoundaryRecomputes]) -> None:
-        found = recomputed.artifact
-        self.report = dataclasses.replace(
-            self.report, recomputed_values=sum(map(len, found.recomputed.values())),
-            boundary_bytes_before=sum(found.bytes_before.get(k, 0) for k in found.recomputed),
-            boundary_bytes_after=sum(found.bytes_after.get(k, 0) for k in found.recomputed))
-
     def _compile_segments(
-        self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any]
+        self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any],
+        decided: dict[str, Any],
     ) -> tuple[StreamProgram, tuple[EarlyHook, ...]]:
         """The forward's passes, its segments compiled, the program that drives them, and
-        the early work hooked to it."""
-        results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
-                             after={"copy_input_values_per_block": self._note_input_copies,
-                                    "recompute_boundary_values": self._note_recomputes})
+        the early work hooked to it; ``decided`` is given each `ForwardPlan` decision as it
+        is made (a later step may fail: the report still tells it)."""
+        results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner, after={
+            "copy_input_values_per_block": _keep_artifact(decided, "input_copies"),
+            "recompute_boundary_values": _keep_artifact(decided, "recomputes")})
         segmented = results["split_segments"]
         # NB: the forward as split_segments cut it: the readers the stream program runs
-        updates = self._plan_early_updates(module_given_to(results, "split_segments"))
+        updates = decided["updates"] = self._plan_early_updates(
+            module_given_to(results, "split_segments"))
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(
                 segmented, fw, example_inputs, inductor_kwargs,
@@ -332,12 +350,17 @@ class GraphCompilation:
         return program, self._attach_early_work(program, updates)
 
     def _attach_early_work(self, program: StreamProgram,
-                           updates: EarlyUpdates | None) -> tuple[EarlyHook, ...]:
+                           updates: UpdatePlan | None) -> tuple[EarlyHook, ...]:
         """The one place the early gradients' work besides the backward is hooked to the
         program: their all-reduce under DDP (planned by the partition), or the optimizer's
         early updates (``updates``); the backward is wrapped with the same hooks, in this
         order (`ForwardPlan.wrap_backward`)."""
-        hooks = tuple(hook for hook in (self.joint.early_allreduce, updates) if hook is not None)
+        early_updates = None
+        if updates is not None and updates.planned:
+            early_updates = EarlyUpdates(self.graph_id, updates.grads, updates.planned,
+                                         updates.unprovable)
+        hooks = tuple(hook for hook in (self.joint.early_allreduce, early_updates)
+                      if hook is not None)
         for hook in hooks:
             hook.attach(program)
         return hooks
@@ -398,7 +421,7 @@ class GraphCompilation:
         return dataclasses.replace(plan, early_grads=grads, differentiable_outputs=sum(
             1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n)))
 
-    def _plan_early_updates(self, fw: fx.GraphModule) -> EarlyUpdates | None:
+    def _plan_early_updates(self, fw: fx.GraphModule) -> UpdatePlan | None:
         """Of the early gradients, those whose parameter the final forward reads only before
         them."""
         grads = self.joint.early_grads
@@ -408,12 +431,8 @@ class GraphCompilation:
             NO_EARLY_UPDATE, lambda: plan_early_updates(fw, grads))
         if planned is None:
             return None
-        unprovable = unprovable_loss_gradient(self.joint.differentiable_outputs,
-                                              self.cfg.seed)
-        self.report = dataclasses.replace(
-            self.report, early_updatable=0 if unprovable else len(planned),
-            whole_early_grads=len(grads))
-        return EarlyUpdates(self.graph_id, grads, planned, unprovable) if planned else None
+        return UpdatePlan(grads, tuple(planned), unprovable_loss_gradient(
+            self.joint.differentiable_outputs, self.cfg.seed))
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
@@ -439,7 +458,6 @@ class GraphCompilation:
 
     def fall_back_whole(self, error: Exception) -> None:
         """The whole graph takes the stock backend (under ``on_error="fallback"``)."""
-        self.joint = self.forward = None
         self._fall_back("compile", error)
 
     def _fall_back(self, where: str, error: Exception, keep_schedule: bool = False) -> None:
@@ -447,22 +465,20 @@ class GraphCompilation:
             raise error
         reason = f"{where} failed: {type(error).__name__}: {error}"
         log.warning("erase_fx graph %d takes the stock path: %s", self.graph_id, reason)
-        previous = self.report
-        if keep_schedule:
-            # The forward still computes the early grads, on one stream.
-            self.report = dataclasses.replace(self.report, fallback_reason=reason)
-        else:
-            self.report = self.report.with_fallback(reason)
-        if self.finished:  # the backward compiles at the first .backward(), after finish()
-            revise(previous, self.report)
+        self.fallbacks += (Fallback(reason, keep_schedule),)
+        if self.finished is not None:  # the backward compiles at the first .backward()
+            report = self.report
+            revise(self.finished, report)
+            self.finished = report
             if self.dump is not None:
-                self.dump.write_report(self.report)
+                self.dump.write_report(report)
 
     def _primal_names(self, joint: fx.GraphModule) -> list[str]:
+        input_names = self.request.input_names
         names = []
         for i, node in enumerate(primals(joint.graph)):
             index = getattr(node.meta.get("desc"), "idx", i)
-            names.append(self.request.input_names[index] if index < len(self.request.input_names) else node.name)
+            names.append(input_names[index] if index < len(input_names) else node.name)
         return names
 
     def _note_forward_metadata(self) -> Any:
@@ -498,9 +514,18 @@ class GraphCompilation:
             self.forward.graph_end.watch(outputs)
 
     def finish(self) -> GraphReport:
-        self.finished = True
+        self.finished = report = self.report
         if self.dump is not None:
-            self.dump.write_report(self.report)
-        log.info("erase_fx %s (erase_fx passes took %.0f ms)", self.report.summary(),
+            self.dump.write_report(report)
+        log.info("erase_fx %s (erase_fx passes took %.0f ms)", report.summary(),
                  1000 * sum(self.timing.seconds.values()))
-        return self.report
+        return report
+
+
+def _keep_artifact(decided: dict[str, Any], field: str) -> Callable[[PassResult], None]:
+    """An ``after`` callback of `run_passes`: the pass's artifact kept as ``decided[field]``."""
+
+    def keep(result: PassResult) -> None:
+        decided[field] = result.artifact
+
+    return keep

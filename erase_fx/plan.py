@@ -11,11 +11,18 @@ what it decided once, here:
                     backward (all-reduced in the forward under DDP, else the whole early
                     gradients an optimizer may update early)
     ForwardPlan     what ``compile_forward`` decided: the stream program, the early work
-                    hooked to it (`EarlyHook`), the CUDA graph it replays from
+                    hooked to it (`EarlyHook`), the CUDA graph it replays from, and what
+                    the forward's passes and the early updates' plan decided
+    Fallback        a failure the graph survived, on the stock path
+
+The report is built once from them (`report_of`), whenever it is asked for:
+at the end of the backend's call, and again when the backward, compiled at
+the first ``.backward()``, falls back.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from erase_fx.config import EraseConfig
@@ -25,8 +32,8 @@ from erase_fx.emit import StreamProgram
 from erase_fx.emit.cudagraphs import GraphedForward
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.live_tangents import LiveTangents
-from erase_fx.passes import BlockAnalysis
-from erase_fx.report import Whereabouts
+from erase_fx.passes import BlockAnalysis, BoundaryRecomputes, InputValueCopies
+from erase_fx.report import GraphReport, Whereabouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +150,23 @@ class EarlyHook(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """Which whole early gradients an optimizer may update during the forward
+    (`erase_fx.early_update.plan_early_updates`).
+
+    Attributes:
+        grads: the whole early gradients (`JointPlan.early_grads`).
+        planned: of them, those whose parameter the forward reads only before them.
+        unprovable: why none may be updated early, decided at compile time
+            (`erase_fx.early_update.unprovable_loss_gradient`), or None.
+    """
+
+    grads: tuple[EarlyGrad, ...]
+    planned: tuple[EarlyGrad, ...]
+    unprovable: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardPlan:
     """What ``compile_forward`` decided.
 
@@ -152,11 +176,19 @@ class ForwardPlan:
         early_hooks: the early work hooked to ``program``, in order; the backward is
             wrapped with the same (`wrap_backward`).
         graphed: the CUDA graph the forward replays from, or None.
+        input_copies: what `copy_input_values_per_block` decided, or None where it did
+            not run ...
+        recomputes: ... `recompute_boundary_values` ...
+        updates: ... and the early updates' plan. NB: each is kept once made, also when
+            a later step failed and the forward was compiled whole.
     """
 
     program: StreamProgram | None = None
     early_hooks: tuple[EarlyHook, ...] = ()
     graphed: GraphedForward | None = None
+    input_copies: InputValueCopies | None = None
+    recomputes: BoundaryRecomputes | None = None
+    updates: UpdatePlan | None = None
 
     @property
     def graph_end(self) -> GraphEnd | None:
@@ -168,3 +200,56 @@ class ForwardPlan:
         for hook in self.early_hooks:
             compiled = hook.wrap_backward(compiled)
         return compiled
+
+    def report_fields(self) -> dict[str, int]:
+        """The `GraphReport` fields these decisions set."""
+        fields = {}
+        if self.input_copies is not None:
+            sizes = self.input_copies.sizes
+            fields.update(input_copies=len(sizes), input_copy_bytes=sum(sizes.values()))
+        if self.recomputes is not None:
+            found = self.recomputes
+            fields.update(
+                recomputed_values=sum(map(len, found.recomputed.values())),
+                boundary_bytes_before=sum(found.bytes_before.get(k, 0) for k in found.recomputed),
+                boundary_bytes_after=sum(found.bytes_after.get(k, 0) for k in found.recomputed))
+        if self.updates is not None:
+            updates = self.updates
+            fields.update(early_updatable=0 if updates.unprovable else len(updates.planned),
+                          whole_early_grads=len(updates.grads))
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A failure the graph survived, on the stock path.
+
+    Attributes:
+        reason: what failed, or why the graph has no early block, in words.
+        keeps_schedule: the early blocks still run in the forward, on one stream (the
+            forward's segments or the backward's passes failed); else the graph runs none.
+    """
+
+    reason: str
+    keeps_schedule: bool = False
+
+
+def report_of(request: CompileRequest, joint: JointPlan | None, forward: ForwardPlan | None,
+              fallbacks: Sequence[Fallback]) -> GraphReport:
+    """The report of one graph, from what its compilation decided: the analysis (its blocks,
+    the components left in the backward), what the forward decided, and the fallbacks: the
+    last one's reason is the report's; if any dropped the schedule, the report has no early
+    block (`GraphReport.with_fallback`)."""
+    cfg = request.cfg
+    found = joint.found if joint is not None else None
+    if found is None:
+        report = GraphReport(graph_id=request.graph_id, streams=cfg.streams, inner=cfg.inner)
+    else:
+        report = GraphReport.from_analysis(request.graph_id, found.analysis, cfg, found.where)
+    if forward is not None:
+        report = dataclasses.replace(report, **forward.report_fields())
+    if not fallbacks:
+        return report
+    if all(fallback.keeps_schedule for fallback in fallbacks):
+        return dataclasses.replace(report, fallback_reason=fallbacks[-1].reason)
+    return report.with_fallback(fallbacks[-1].reason)
