@@ -50,6 +50,7 @@ from erase_fx.emit import decompositions_for
 from erase_fx.errors import EraseOptionError
 from erase_fx.names import input_names, output_names
 from erase_fx.passes.graph import copy_graph_module
+from erase_fx.plan import CompileRequest
 from erase_fx.report import publish
 
 _graph_ids = itertools.count()
@@ -74,11 +75,11 @@ def erase_backend(
         raise EraseOptionError("mode", mode,
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
-    compilation = GraphCompilation(cfg, next(_graph_ids), input_names(gm),
-                                   ends_at_graph_break=more_forward_follows(gm),
-                                   output_names=output_names(gm))
-    compilation.data_parallel = ddp.active_ddp_module()
-    compilation.require_early_blocks = ddp.whole_ddp_graph()
+    request = CompileRequest(cfg, next(_graph_ids), tuple(input_names(gm)),
+                             tuple(output_names(gm)), more_forward_follows(gm),
+                             data_parallel=ddp.active_ddp_module(),
+                             require_early_blocks=ddp.whole_ddp_graph())
+    compilation = GraphCompilation(request)
     # NB: stock compilers take ownership of the graph they compile and may
     # change it; the fallback compiles an untouched copy.
     original = copy_graph_module(gm) if cfg.on_error == "fallback" else None
@@ -90,13 +91,13 @@ def erase_backend(
     except Exception as error:  # noqa: BLE001 - the documented fallback
         if original is None or isinstance(error, _NOT_FAILURES):
             raise
-        if compilation.require_early_blocks:
+        if request.require_early_blocks:
             # NB: a whole DDP graph: Dynamo's DDP optimizer splits it instead, as for the
             # stock backend, and this backend compiles (or falls back on) each piece.
             ddp.log.warning("erase_fx graph %d (a whole DDP graph) failed: %s: %s; Dynamo's DDP "
-                            "optimizer splits it", compilation.graph_id, type(error).__name__,
+                            "optimizer splits it", request.graph_id, type(error).__name__,
                             error)
-            raise ddp.NoEarlyBlocks(compilation.graph_id) from error
+            raise ddp.NoEarlyBlocks(request.graph_id) from error
         compilation.fall_back_whole(error)
         compiled = stock_backend(cfg.inner)(original, example_inputs)
     report = compilation.finish()
@@ -244,11 +245,7 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
-        compilation.backward_guard.guard(outputs)
-        if compilation.live_tangents is not None:
-            compilation.live_tangents.watch(outputs)
-        if compilation.graph_end is not None:
-            compilation.graph_end.watch(outputs)
+        compilation.watch(outputs)
         return outputs
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.

@@ -8,12 +8,15 @@ gradient is needed. Each callback runs its pass list, declared once in
 `BACKWARD_PASSES`), with `run_passes`, through a `PassRunner` whose
 instruments time and dump each pass; then it does what is not a pass::
 
-    partition         JOINT_PASSES; no early block: the stock partitioner
+    partition         JOINT_PASSES; no early block: the stock partitioner. Records a
+                      JointPlan: the blocks found, and what their gradients do besides
+                      the backward (early all-reduce under DDP, else early updates)
     compile_forward   FORWARD_PASSES, then each segment compiled, and the StreamProgram
-                      driving them (CUDA graphs where allowed); with ``streams=0``
-                      the forward compiled whole, on the main stream
+                      driving them (CUDA graphs where allowed), the early all-reduce or
+                      updates hooked to it; with ``streams=0`` the forward compiled
+                      whole, on the main stream. Records a ForwardPlan
     compile_backward  BACKWARD_PASSES, then compiled, as a ScaledBackward (scales early
-                      grads in place)
+                      grads in place), wrapped by the forward's early hooks
 
 With Inductor inside, these callbacks plug into stock Inductor's own
 ``compile_fx`` (`erase_fx.backend`): ``partition`` is its custom partitioner
@@ -38,7 +41,7 @@ import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.ddp import EarlyAllReduce, NoEarlyBlocks, early_allreduce_for
-from erase_fx.early_grads import EarlyGrad, plan_early_grads
+from erase_fx.early_grads import plan_early_grads
 from erase_fx.early_update import EarlyUpdates, plan_early_updates, unprovable_loss_gradient
 from erase_fx.emit import CudaStreams, StreamProgram, VirtualStreams, compile_graph, compile_segment
 from erase_fx.emit.cudagraphs import (
@@ -52,7 +55,7 @@ from erase_fx.emit.inductor_segments import (
     keep_early_values_at_fx_strides,
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
-from erase_fx.emit.graph_end import GraphEnd, GraphEndBackward
+from erase_fx.emit.graph_end import GraphEndBackward
 from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, output_indices
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
@@ -64,8 +67,6 @@ from erase_fx.passes import (
     JOINT_PASSES,
     UNUSED_TANGENT_BACKWARD_PASSES,
     BlockAnalysis,
-    BoundaryRecomputes,
-    InputValueCopies,
     PassResult,
     module_given_to,
     run_passes,
@@ -73,8 +74,18 @@ from erase_fx.passes import (
 )
 from erase_fx.passes.graph import is_tangent, primals
 from erase_fx.passes.node_meta import is_early
+from erase_fx.plan import (
+    CompileRequest,
+    EarlyHook,
+    Fallback,
+    ForwardPlan,
+    FoundBlocks,
+    JointPlan,
+    UpdatePlan,
+    report_of,
+)
 from erase_fx.progress import compiling
-from erase_fx.report import GraphReport, revise
+from erase_fx.report import GraphReport, Whereabouts, revise
 
 log = logging.getLogger("erase_fx")
 
@@ -84,46 +95,53 @@ NO_EARLY_UPDATE = "no early optimizer update (the optimizer updates after the ba
 
 
 class GraphCompilation:
-    """The state shared by AOTAutograd's callbacks for one compiled graph."""
+    """AOTAutograd's callbacks for one compiled graph, and what each decided.
 
-    def __init__(self, cfg: EraseConfig, graph_id: int, input_names: Sequence[str],
-                 ends_at_graph_break: bool = False, output_names: Sequence[str] = ()):
-        self.cfg = cfg
-        #: Dynamo ended this graph at a graph break: more of the forward follows it, which
-        #: its last block's backward can overlap (`erase_fx.emit.graph_end`)
-        self.ends_at_graph_break = ends_at_graph_break
-        self.graph_id = graph_id
-        self.input_names = list(input_names)
-        #: each output of the Dynamo graph, named with where the user's code makes it
-        self.output_names = list(output_names)
-        self.report = GraphReport(graph_id=graph_id, streams=cfg.streams, inner=cfg.inner)
+    What the backend gave is one frozen `CompileRequest`, fixed for the compilation's life.
+    Each callback records what it decided once, as a frozen plan (`erase_fx.plan`):
+    ``partition`` a `JointPlan`, ``compile_forward`` a `ForwardPlan`; a failure the graph
+    survives is a `Fallback`, in order. The report is built from those when asked for
+    (`report_of`): at `finish`, and again when the backward, compiled later, falls back.
+    """
+
+    def __init__(self, request: CompileRequest):
+        #: what the backend gave: the settings, the graph's names, DDP
+        self.request = request
+        cfg, graph_id = request.cfg, request.graph_id
         self.timing = TimingInstrument()
         self.dump = dump_instrument_for(cfg.dump_dir, graph_id)
         self.runner = PassRunner([self.timing] + ([self.dump] if self.dump else []))
-        self.has_early_blocks = False
         #: raises clear errors on backward uses erase_fx cannot run (erase_fx.guards)
         self.backward_guard = BackwardGuard()
-        self.fw_metadata: Any = None
-        self.graphed_forward: GraphedForward | None = None
-        self.finished = False
-        #: the DDP module whose forward this graph is part of (`erase_fx.ddp`), or None
-        self.data_parallel: Any = None
-        #: a whole graph kept from Dynamo's DDP optimizer: without early blocks, hand it back
-        self.require_early_blocks = False
-        self.early_allreduce: EarlyAllReduce | None = None
-        #: the early gradients an optimizer may update early (`erase_fx.early_update`):
-        #: planned from the partition, narrowed once the forward's passes have run
-        self.early_grads: tuple[EarlyGrad, ...] = ()
-        self.differentiable_outputs = 0
-        self.early_updates: EarlyUpdates | None = None
-        #: the blocks at the graph's end of the compiled forward (`erase_fx.emit.graph_end`)
-        self.graph_end: GraphEnd | None = None
-        self.program: StreamProgram | None = None
-        self.num_fwd_outputs = 0
-        #: the tangents early blocks read besides their loss's, when the outputs they are the
-        #: gradients of can be watched: a backward without them runs when none gets a gradient
-        self.unused_tangents: tuple[str, ...] = ()
-        self.live_tangents: LiveTangents | None = None
+        #: what ``partition`` decided (None before it, and for an inference graph)
+        self.joint: JointPlan | None = None
+        #: what ``compile_forward`` decided (None before it)
+        self.forward: ForwardPlan | None = None
+        #: the failures the graph survived, in order
+        self.fallbacks: tuple[Fallback, ...] = ()
+        #: the report `finish` returned (the backend publishes it), revised when the
+        #: backward, compiled at the first ``.backward()``, falls back; None before
+        self.finished: GraphReport | None = None
+
+    @property
+    def cfg(self) -> EraseConfig:
+        return self.request.cfg
+
+    @property
+    def graph_id(self) -> int:
+        return self.request.graph_id
+
+    @property
+    def has_early_blocks(self) -> bool:
+        """Whether the graph runs early blocks: the partition scheduled some, and no failure
+        since dropped them (one in the forward or the backward keeps them, on one stream)."""
+        return (self.joint is not None and self.joint.early_blocks
+                and all(fallback.keeps_schedule for fallback in self.fallbacks))
+
+    @property
+    def report(self) -> GraphReport:
+        """What erase_fx decided about this graph, so far (`report_of`)."""
+        return report_of(self.request, self.joint, self.forward, self.fallbacks)
 
     # -- AOTAutograd callbacks ------------------------------------------------
 
@@ -141,23 +159,22 @@ class GraphCompilation:
             # graphs, with no inputs: those keep the stock partitioner.
             return stock_partition(joint, joint_inputs, self.cfg,
                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
+        found: list[FoundBlocks] = []  # the analysis, kept when a later joint pass fails
         try:
-            fw, bw = self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+            split = self._partition(joint, joint_inputs, num_fwd_outputs, kwargs, found.append)
         except Exception as error:  # noqa: BLE001 - the documented fallback
             self._fall_back("partition", error)
-            self.has_early_blocks = False
+            split = None
+        if split is None:  # no early block, or the partition failed: the stock partition
+            self.joint = JointPlan(num_fwd_outputs, found[0] if found else None)
             fw, bw = stock_partition(joint, joint_inputs, self.cfg,
                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-        if self.require_early_blocks and not self.has_early_blocks:
-            raise NoEarlyBlocks(self.graph_id)
-        if self.has_early_blocks and self.data_parallel is not None and self.cfg.early_allreduce:
-            if self.cfg.streams == 0:
-                log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
-                         "gradient at .backward()", self.graph_id)
-            else:
-                self._plan_early_allreduce(fw, bw, num_fwd_outputs)
-        if self.has_early_blocks and self.data_parallel is None and self.cfg.streams > 0:
-            self._plan_early_grads(fw, bw, num_fwd_outputs)
+            if self.request.require_early_blocks:
+                raise NoEarlyBlocks(self.graph_id)
+        else:
+            fw, bw = split
+            self.joint = self._plan_early_gradients(JointPlan(num_fwd_outputs, found[0], True),
+                                                    fw, bw)
         return fw, bw
 
     def inner_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -171,10 +188,10 @@ class GraphCompilation:
 
     def compile_forward(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
                         **inductor_kwargs: Any) -> Any:
-        self._note_forward_metadata()
+        fw_metadata = self._note_forward_metadata()
         # NB: before compiling: Inductor takes the module over
         data_dependent = data_dependent_refusal(fw)
-        blocks = len(self.report.blocks)
+        blocks = self.joint.blocks if self.joint is not None else 0
         early = f"{blocks} early block{'s' if blocks != 1 else ''}"
         in_segments = False
         if not any(is_early(n) for n in fw.graph.nodes):
@@ -185,25 +202,30 @@ class GraphCompilation:
             in_segments = self.cfg.streams > 0
             label = (f"{early}; with {self.cfg.inner}, in segments: " if in_segments else
                      f"{early}, no side stream; with {self.cfg.inner}, in one graph: ")
+        program, hooks = None, ()
+        decided: dict[str, Any] = {}  # the ForwardPlan's decisions, kept if a later step fails
         with compiling(self.graph_id, "forward", label):
-            compiled = None
             if in_segments:
                 try:
-                    compiled = self._compile_segments(fw, example_inputs, inductor_kwargs)
+                    program, hooks = self._compile_segments(fw, example_inputs, inductor_kwargs,
+                                                            decided)
                 except Exception as error:  # noqa: BLE001 - the documented fallback
                     self._fall_back("compile_forward", error, keep_schedule=True)
-            if compiled is None:
-                compiled = compile_graph(fw, example_inputs, self.cfg.inner, **inductor_kwargs)
-        return self._maybe_graph_forward(compiled, example_inputs, data_dependent)
+            compiled = program if program is not None else compile_graph(
+                fw, example_inputs, self.cfg.inner, **inductor_kwargs)
+        graphed = self._graph_forward(compiled, example_inputs, fw_metadata, data_dependent,
+                                      hooks)
+        self.forward = ForwardPlan(program, hooks, graphed, **decided)
+        return compiled if graphed is None else graphed
 
     def compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                          **inductor_kwargs: Any) -> Any:
         with compiling(self.graph_id, "backward"):
             compiled = self._compile_backward(bw, example_inputs, inductor_kwargs)
-        if self.graphed_forward is None:
+        if self.forward.graphed is None:
             return compiled
         num_saved = sum(1 for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n))
-        return graph_backward(self.graphed_forward, compiled, num_saved,
+        return graph_backward(self.forward.graphed, compiled, num_saved,
                               name=f"graph {self.graph_id} backward")
 
     def _compile_backward(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
@@ -211,12 +233,12 @@ class GraphCompilation:
         if self.dump is not None:
             self.runner.record("bwd", bw)
         lean = None
-        if self.live_tangents is not None and self.has_early_blocks:
+        if self.has_early_blocks and self.joint.live_tangents is not None:
             lean = self._unless_it_fails(
                 "the whole backward runs when the outputs besides the loss get no gradient",
                 lambda: self._compile_backward_passes(
                     bw, example_inputs, dict(inductor_kwargs), UNUSED_TANGENT_BACKWARD_PASSES,
-                    unused_tangents=self.unused_tangents))
+                    unused_tangents=self.joint.unused_tangents))
         compiled = None
         if self.has_early_blocks:
             try:
@@ -227,99 +249,78 @@ class GraphCompilation:
         if compiled is None:
             compiled = compile_graph(bw, example_inputs, self.cfg.inner, **inductor_kwargs)
         if lean is not None:
-            compiled = SelectedBackward(lean, compiled, self.live_tangents)
-        if self.graph_end is not None and self.has_early_blocks:
-            compiled = self._after_graph_end(compiled, bw)
-        if self.early_allreduce is not None:
-            compiled = self.early_allreduce.wrap_backward(compiled)
-        if self.early_updates is not None:
-            compiled = self.early_updates.wrap_backward(compiled)
-        return compiled
+            compiled = SelectedBackward(lean, compiled, self.joint.live_tangents)
+        if self.forward.graph_end is not None and self.has_early_blocks:
+            compiled = self._after_graph_end(compiled, bw, self.forward.program)
+        return self.forward.wrap_backward(compiled)
 
-    def _after_graph_end(self, compiled: Any, bw: fx.GraphModule) -> GraphEndBackward:
+    def _after_graph_end(self, compiled: Any, bw: fx.GraphModule,
+                         program: StreamProgram) -> GraphEndBackward:
         """The backward waiting for its forward's blocks at the graph's end, or running them
         (`erase_fx.emit.graph_end`). Their values are saved tensors: forward output ``i``
         (after the user's ``num_fwd_outputs``) is backward argument ``i - num_fwd_outputs``
         after the saved SymInts, which come first."""
         num_symints = sum(1 for n in bw.graph.find_nodes(op="placeholder")
                           if not is_tangent(n) and not isinstance(n.meta.get("val"), torch.Tensor))
-        gradients = [(num_symints + i - self.num_fwd_outputs, i)
-                     for i in self.program.graph_end_results]
-        return GraphEndBackward(compiled, self.graph_end, gradients, self.program.run_graph_end,
-                                self.program.wait_graph_end)
+        gradients = [(num_symints + i - self.joint.num_fwd_outputs, i)
+                     for i in program.graph_end_results]
+        return GraphEndBackward(compiled, program.graph_end, gradients, program.run_graph_end,
+                                program.wait_graph_end)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                           **inductor_kwargs: Any) -> Any:
-        if self.require_early_blocks:
+        if self.request.require_early_blocks:
             raise NoEarlyBlocks(self.graph_id)
-        self.report = self.report.with_fallback("inference graph: no backward to run early")
+        self.fallbacks += (Fallback("inference graph: no backward to run early"),)
         return compile_graph(gm, example_inputs, self.cfg.inner, **inductor_kwargs)
 
     # -- the pipeline ---------------------------------------------------------
 
     def _partition(
-        self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict,
+        note: Callable[[FoundBlocks], None],
+    ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+        """The joint passes: the forward and backward with early blocks, or None where the
+        analysis found none; ``note`` is given the analysis as soon as it is made."""
         self.runner.record("joint", joint)
-        self.num_fwd_outputs = num_fwd_outputs
         results = run_passes(
             JOINT_PASSES, joint, self.cfg, runner=self.runner,
-            after={"find_stop_gradient_blocks": self._note_analysis},
+            after={"find_stop_gradient_blocks": lambda found: note(self._found_blocks(found))},
             num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
             joint_inputs=joint_inputs, partition_kwargs=kwargs,
-            graph_end=self._runs_graph_end(),
+            graph_end=self.request.runs_graph_end,
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
-            self.report = self.report.with_fallback("no early block")
-            return stock_partition(joint, joint_inputs, self.cfg,
-                                   num_fwd_outputs=num_fwd_outputs, **kwargs)
+            self.fallbacks += (Fallback("no early block"),)
+            return None
         partition = results["partition_joint_graph"].artifact
-        self.has_early_blocks = True
         return partition.fw, partition.bw
 
-    def _runs_graph_end(self) -> bool:
-        """Whether a block ready only when the forward ends runs there
-        (`erase_fx.emit.graph_end`): where more of the forward follows the graph (Dynamo
-        ended it at a graph break), for the program to overlap. NB: the program runs such
-        a block or leaves it to the backward, so it needs segments (side streams); under
-        DDP the early all-reduce needs every early gradient made in the forward. A graph
-        that ends at the forward's return keeps its last block in the backward, as stock
-        does: nothing but the backward would follow it."""
-        return (self.ends_at_graph_break and self.cfg.streams > 0
-                and self.data_parallel is None)
-
-    def _note_analysis(self, found: PassResult[BlockAnalysis]) -> None:
-        """Right after the analysis, before the scheduling: the report, unsupported blocks, and
-        the outputs whose gradients decide which backward runs."""
-        self.report = GraphReport.from_analysis(self.graph_id, found.artifact, self.cfg,
-                                                joint=found.gm, output_names=self.output_names)
+    def _found_blocks(self, found: PassResult[BlockAnalysis]) -> FoundBlocks:
+        """Right after the analysis, before the scheduling: unsupported blocks, where the
+        report's nodes are, and the outputs whose gradients decide which backward runs."""
+        where = Whereabouts.of(found.artifact, found.gm, self.request.output_names)
         self._handle_unsupported(found.artifact)
         other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None
-        if watched is not None:
-            self.unused_tangents = tuple(other)
-            self.live_tangents = LiveTangents(watched)
+        if watched is None:
+            return FoundBlocks(found.artifact, where)
+        return FoundBlocks(found.artifact, where, tuple(other), LiveTangents(watched))
 
-    def _note_input_copies(self, copied: PassResult[InputValueCopies]) -> None:
-        sizes = copied.artifact.sizes
-        self.report = dataclasses.replace(self.report, input_copies=len(sizes),
-                                          input_copy_bytes=sum(sizes.values()))
-
-    def _note_recomputes(self, recomputed: PassResult[BoundaryRecomputes]) -> None:
-        found = recomputed.artifact
-        self.report = dataclasses.replace(
-            self.report, recomputed_values=sum(map(len, found.recomputed.values())),
-            boundary_bytes_before=sum(found.bytes_before.get(k, 0) for k in found.recomputed),
-            boundary_bytes_after=sum(found.bytes_after.get(k, 0) for k in found.recomputed))
-
-    def _compile_segments(self, fw: fx.GraphModule, example_inputs: Sequence[Any],
-                          inductor_kwargs: dict[str, Any]) -> StreamProgram:
-        results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner,
-                             after={"copy_input_values_per_block": self._note_input_copies,
-                                    "recompute_boundary_values": self._note_recomputes})
+    def _compile_segments(
+        self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any],
+        decided: dict[str, Any],
+    ) -> tuple[StreamProgram, tuple[EarlyHook, ...]]:
+        """The forward's passes, its segments compiled, the program that drives them, and
+        the early work hooked to it; ``decided`` is given each `ForwardPlan` decision as it
+        is made (a later step may fail: the report still tells it)."""
+        results = run_passes(FORWARD_PASSES, fw, self.cfg, runner=self.runner, after={
+            "copy_input_values_per_block": _keep_artifact(decided, "input_copies"),
+            "recompute_boundary_values": _keep_artifact(decided, "recomputes")})
         segmented = results["split_segments"]
         # NB: the forward as split_segments cut it: the readers the stream program runs
-        self._plan_early_updates(module_given_to(results, "split_segments"))
+        updates = decided["updates"] = self._plan_early_updates(
+            module_given_to(results, "split_segments"))
         if self.cfg.inner == "inductor":
             compiled = compile_inductor_segments(
                 segmented, fw, example_inputs, inductor_kwargs,
@@ -341,17 +342,28 @@ class GraphCompilation:
         program = StreamProgram.build(segmented, compiled, streams, self.cfg.tuning.release_lag,
                                       self.cfg.tuning.side_cuda_streams)
         if program.graph_end is not None:
-            if any(i < self.num_fwd_outputs for i in program.graph_end_results):
+            if any(i < self.joint.num_fwd_outputs for i in program.graph_end_results):
                 raise GraphInvariantError("emit", "a block at the graph's end makes a value the "
                                           "forward returns to the user: it cannot be left to "
                                           "the backward")
             program.graph_end.name = f"graph {self.graph_id}"
-            self.graph_end, self.program = program.graph_end, program
-        if self.early_allreduce is not None:
-            self.early_allreduce.attach(program)
-        if self.early_updates is not None:
-            self.early_updates.attach(program)
-        return program
+        return program, self._attach_early_work(program, updates)
+
+    def _attach_early_work(self, program: StreamProgram,
+                           updates: UpdatePlan | None) -> tuple[EarlyHook, ...]:
+        """The one place the early gradients' work besides the backward is hooked to the
+        program: their all-reduce under DDP (planned by the partition), or the optimizer's
+        early updates (``updates``); the backward is wrapped with the same hooks, in this
+        order (`ForwardPlan.wrap_backward`)."""
+        early_updates = None
+        if updates is not None and updates.planned:
+            early_updates = EarlyUpdates(self.graph_id, updates.grads, updates.planned,
+                                         updates.unprovable)
+        hooks = tuple(hook for hook in (self.joint.early_allreduce, early_updates)
+                      if hook is not None)
+        for hook in hooks:
+            hook.attach(program)
+        return hooks
 
     def _compile_backward_passes(self, bw: fx.GraphModule, example_inputs: Sequence[Any],
                                  inductor_kwargs: dict[str, Any], passes: Sequence[Any],
@@ -386,39 +398,41 @@ class GraphCompilation:
                         type(error).__name__, error)
             return None
 
-    def _plan_early_allreduce(self, fw: fx.GraphModule, bw: fx.GraphModule,
-                              num_fwd_outputs: int) -> None:
-        """Under DDP: which early gradients the forward all-reduces (`erase_fx.ddp`)."""
-        self.early_allreduce = self._unless_it_fails(
-            "no early all-reduce (DDP reduces every gradient at .backward())",
-            lambda: early_allreduce_for(self.data_parallel, self.graph_id, fw, bw,
-                                        num_fwd_outputs, self.cfg.on_error))
+    def _plan_early_gradients(self, plan: JointPlan, fw: fx.GraphModule,
+                              bw: fx.GraphModule) -> JointPlan:
+        """``plan`` (early blocks scheduled), with what their gradients do besides the
+        backward: under DDP, which the forward all-reduces (`erase_fx.ddp`); else the whole
+        ones, which an optimizer step may update early (`erase_fx.early_update`)."""
+        if self.request.data_parallel is not None:
+            if not self.cfg.early_allreduce:
+                return plan
+            if self.cfg.streams == 0:
+                log.info("erase_fx graph %d: streams=0, no early all-reduce: DDP reduces every "
+                         "gradient at .backward()", self.graph_id)
+                return plan
+            return dataclasses.replace(plan, early_allreduce=self._unless_it_fails(
+                "no early all-reduce (DDP reduces every gradient at .backward())",
+                lambda: early_allreduce_for(self.request.data_parallel, self.graph_id, fw, bw,
+                                            plan.num_fwd_outputs, self.cfg.on_error)))
+        if self.cfg.streams == 0:
+            return plan
+        grads = self._unless_it_fails(
+            NO_EARLY_UPDATE, lambda: plan_early_grads(fw, bw, plan.num_fwd_outputs)) or ()
+        return dataclasses.replace(plan, early_grads=grads, differentiable_outputs=sum(
+            1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n)))
 
-    def _plan_early_grads(self, fw: fx.GraphModule, bw: fx.GraphModule,
-                          num_fwd_outputs: int) -> None:
-        """The whole early gradients: those an optimizer step may update early
-        (`erase_fx.early_update`)."""
-        self.early_grads = self._unless_it_fails(
-            NO_EARLY_UPDATE, lambda: plan_early_grads(fw, bw, num_fwd_outputs)) or ()
-        self.differentiable_outputs = sum(
-            1 for n in bw.graph.find_nodes(op="placeholder") if is_tangent(n))
-
-    def _plan_early_updates(self, fw: fx.GraphModule) -> None:
+    def _plan_early_updates(self, fw: fx.GraphModule) -> UpdatePlan | None:
         """Of the early gradients, those whose parameter the final forward reads only before
         them."""
-        if not self.early_grads:
-            return
+        grads = self.joint.early_grads
+        if not grads:
+            return None
         planned = self._unless_it_fails(
-            NO_EARLY_UPDATE, lambda: plan_early_updates(fw, self.early_grads))
+            NO_EARLY_UPDATE, lambda: plan_early_updates(fw, grads))
         if planned is None:
-            return
-        unprovable = unprovable_loss_gradient(self.differentiable_outputs, self.cfg.seed)
-        self.report = dataclasses.replace(
-            self.report, early_updatable=0 if unprovable else len(planned),
-            whole_early_grads=len(self.early_grads))
-        if planned:
-            self.early_updates = EarlyUpdates(self.graph_id, self.early_grads, planned,
-                                              unprovable)
+            return None
+        return UpdatePlan(grads, tuple(planned), unprovable_loss_gradient(
+            self.joint.differentiable_outputs, self.cfg.seed))
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
@@ -444,8 +458,6 @@ class GraphCompilation:
 
     def fall_back_whole(self, error: Exception) -> None:
         """The whole graph takes the stock backend (under ``on_error="fallback"``)."""
-        self.has_early_blocks = False
-        self.graphed_forward = None
         self._fall_back("compile", error)
 
     def _fall_back(self, where: str, error: Exception, keep_schedule: bool = False) -> None:
@@ -453,51 +465,67 @@ class GraphCompilation:
             raise error
         reason = f"{where} failed: {type(error).__name__}: {error}"
         log.warning("erase_fx graph %d takes the stock path: %s", self.graph_id, reason)
-        previous = self.report
-        if keep_schedule:
-            # The forward still computes the early grads, on one stream.
-            self.report = dataclasses.replace(self.report, fallback_reason=reason)
-        else:
-            self.report = self.report.with_fallback(reason)
-        if self.finished:  # the backward compiles at the first .backward(), after finish()
-            revise(previous, self.report)
+        self.fallbacks += (Fallback(reason, keep_schedule),)
+        if self.finished is not None:  # the backward compiles at the first .backward()
+            report = self.report
+            revise(self.finished, report)
+            self.finished = report
             if self.dump is not None:
-                self.dump.write_report(self.report)
+                self.dump.write_report(report)
 
     def _primal_names(self, joint: fx.GraphModule) -> list[str]:
+        input_names = self.request.input_names
         names = []
         for i, node in enumerate(primals(joint.graph)):
             index = getattr(node.meta.get("desc"), "idx", i)
-            names.append(self.input_names[index] if index < len(self.input_names) else node.name)
+            names.append(input_names[index] if index < len(input_names) else node.name)
         return names
 
-    def _note_forward_metadata(self) -> None:
+    def _note_forward_metadata(self) -> Any:
+        """AOT's metadata of the forward being compiled (None outside AOT); the backward
+        guard learns from it whether the backward donates buffers."""
         from torch._guards import TracingContext
 
         context = TracingContext.try_get()
-        self.fw_metadata = getattr(context, "fw_metadata", None) if context else None
-        self.backward_guard.donates_buffers = bool(
-            getattr(self.fw_metadata, "bw_donated_idxs", None))
+        fw_metadata = getattr(context, "fw_metadata", None) if context else None
+        self.backward_guard.donates_buffers = bool(getattr(fw_metadata, "bw_donated_idxs", None))
+        return fw_metadata
 
-    def _maybe_graph_forward(self, compiled: Any, example_inputs: Sequence[Any],
-                             refusal: str | None = None) -> Any:
+    def _graph_forward(self, compiled: Any, example_inputs: Sequence[Any], fw_metadata: Any,
+                       refusal: str | None, hooks: Sequence[EarlyHook]) -> GraphedForward | None:
         """The compiled forward, replayed from a CUDA graph where the config and graph allow
-        (``refusal``: why the forward module cannot be, `data_dependent_refusal`)."""
-        if self.early_allreduce is not None and self.early_allreduce.attached:
+        (``refusal``: why the forward module cannot be, `data_dependent_refusal`), else None."""
+        if any(isinstance(hook, EarlyAllReduce) for hook in hooks):
             refusal = ("it all-reduces early gradients in the forward (early_allreduce), which "
                        "replay cannot do step by step")
-        graphed = graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
-                                fw_metadata=self.fw_metadata, name=f"graph {self.graph_id}",
-                                refusal=refusal)
-        if graphed is None:
-            return compiled
-        self.graphed_forward = graphed
-        return graphed
+        return graph_forward(compiled, example_inputs, cudagraphs=self.cfg.cudagraphs,
+                             fw_metadata=fw_metadata, name=f"graph {self.graph_id}",
+                             refusal=refusal)
+
+    def watch(self, outputs: Any) -> None:
+        """What each run of the compiled graph does with its ``outputs``: guards the backward
+        uses erase_fx cannot run (`erase_fx.guards`), watches whether the outputs besides the
+        loss get a gradient (`erase_fx.emit.live_tangents`), and those its blocks at the
+        graph's end are waited for through (`erase_fx.emit.graph_end`)."""
+        self.backward_guard.guard(outputs)
+        if self.has_early_blocks and self.joint.live_tangents is not None:
+            self.joint.live_tangents.watch(outputs)
+        if self.forward is not None and self.forward.graph_end is not None:
+            self.forward.graph_end.watch(outputs)
 
     def finish(self) -> GraphReport:
-        self.finished = True
+        self.finished = report = self.report
         if self.dump is not None:
-            self.dump.write_report(self.report)
-        log.info("erase_fx %s (erase_fx passes took %.0f ms)", self.report.summary(),
+            self.dump.write_report(report)
+        log.info("erase_fx %s (erase_fx passes took %.0f ms)", report.summary(),
                  1000 * sum(self.timing.seconds.values()))
-        return self.report
+        return report
+
+
+def _keep_artifact(decided: dict[str, Any], field: str) -> Callable[[PassResult], None]:
+    """An ``after`` callback of `run_passes`: the pass's artifact kept as ``decided[field]``."""
+
+    def keep(result: PassResult) -> None:
+        decided[field] = result.artifact
+
+    return keep

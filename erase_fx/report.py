@@ -11,13 +11,14 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.fx as fx
 
 from erase_fx.config import EraseConfig
 from erase_fx.passes import (
+    Block,
     BlockAnalysis,
     RejectReason,
     stages_go_to_side_streams,
@@ -150,6 +151,48 @@ def short_path(path: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Whereabouts:
+    """Where the nodes an analysis names are, for people, read from its joint graph while
+    the graph is at hand (a report is built once the compilation is done, without it).
+
+    Attributes:
+        origins: each ready point and rejected node, by name: where in the model it is
+            (`node_origin`).
+        outputs: each tangent a block or a rejected component reads, by name: the output
+            it is the gradient of, named with where the user's code makes it
+            (`erase_fx.names.output_names`), where AOT's descriptor says which.
+    """
+
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    outputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, analysis: BlockAnalysis, joint: fx.GraphModule,
+           output_names: Sequence[str] = ()) -> Whereabouts:
+        by_name = {node.name: node for node in joint.graph.nodes}
+        named = [ready_point(b) for b in analysis.blocks] + [r.node for r in analysis.rejected]
+        tangents = ([t for b in analysis.blocks for t in b.other_tangents]
+                    + [t for r in analysis.rejected for t in r.component.tangents])
+        outputs = {}
+        for tangent in tangents:
+            index = getattr(getattr(by_name.get(tangent), "meta", {}).get("desc"), "output",
+                            None)
+            index = getattr(index, "idx", None)
+            if isinstance(index, int) and index < len(output_names):
+                outputs[tangent] = output_names[index]
+        return cls({name: node_origin(by_name[name]) for name in named if name in by_name},
+                   outputs)
+
+    def origin(self, name: str | None) -> str | None:
+        """Where node ``name`` is in the model, or None when unknown."""
+        return self.origins.get(name) if name is not None else None
+
+    def output(self, tangent: str) -> str:
+        """The output ``tangent`` is the gradient of."""
+        return self.outputs.get(tangent, f"the output whose gradient is {tangent}")
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphReport:
     """erase_fx's decisions about one compiled graph.
 
@@ -217,42 +260,27 @@ class GraphReport:
         return self.early_flops / self.backward_flops if self.backward_flops else 0.0
 
     @classmethod
-    def from_analysis(
-        cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig,
-        joint: fx.GraphModule | None = None, output_names: Sequence[str] = (),
-    ) -> GraphReport:
-        """The report of ``analysis``; with the ``joint`` graph it was made from, each
-        ready point and rejected node also says where in the model it is, and with the
-        Dynamo graph's ``output_names`` (`erase_fx.names.output_names`), which outputs a
-        tangent is the gradient of."""
-        by_name = {node.name: node for node in joint.graph.nodes} if joint is not None else {}
-
-        def origin(name: str | None) -> str | None:
-            return node_origin(by_name[name]) if name in by_name else None
-
-        def output(tangent: str) -> str:
-            index = getattr(getattr(by_name.get(tangent), "meta", {}).get("desc"), "output",
-                            None)
-            index = getattr(index, "idx", None)
-            if isinstance(index, int) and index < len(output_names):
-                return output_names[index]
-            return f"the output whose gradient is {tangent}"
-
+    def from_analysis(cls, graph_id: int, analysis: BlockAnalysis, cfg: EraseConfig,
+                      where: Whereabouts | None = None) -> GraphReport:
+        """The report of ``analysis``; with the `Whereabouts` of its joint graph, each ready
+        point and rejected node also says where in the model it is, and each tangent which
+        output it is the gradient of."""
+        where = where if where is not None else Whereabouts()
+        origin, output = where.origin, where.output
         return cls(
             graph_id=graph_id,
             blocks=tuple(
                 BlockReport(
                     id=b.id,
                     params=b.params,
-                    ready_after=(b.component.piece_ready or (b.component.ready_after,))[0],
+                    ready_after=ready_point(b),
                     tangent=b.tangent,
                     stream=stream_of_block(b.id, cfg),
                     num_nodes=b.component.num_nodes,
                     flops=b.component.flops,
                     partials=len(b.component.partials),
                     pieces=len(b.component.pieces),
-                    ready_after_origin=origin(
-                        (b.component.piece_ready or (b.component.ready_after,))[0]),
+                    ready_after_origin=origin(ready_point(b)),
                     other_outputs=tuple(output(t) for t in b.other_tangents),
                     at_graph_end=b.at_graph_end,
                 )
@@ -328,6 +356,12 @@ class GraphReport:
             brk = data["graph_break"]
             data["graph_break"] = GraphBreakReport(**{**brk, "hints": tuple(brk.get("hints", ()))})
         return cls(**data)
+
+
+def ready_point(block: Block) -> str:
+    """The forward node after which ``block`` can run: its first piece's, for a block in
+    pieces."""
+    return (block.component.piece_ready or (block.component.ready_after,))[0]
 
 
 def node_origin(node: fx.Node) -> str:

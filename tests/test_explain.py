@@ -6,6 +6,7 @@ import torch
 
 import erase_fx
 from erase_fx import GraphReport
+from erase_fx.report import Whereabouts
 from erase_fx.report_text import format_report
 from graphs import BatchNormBlocks, Chain, TwoBlockOneLoss, chain_inputs, two_block_inputs
 
@@ -115,7 +116,8 @@ def test_the_report_of_an_analysis_with_its_joint_graph_says_where_each_ready_po
 
     cfg = EraseConfig(inner="aot_eager")
     stages = Stages(Chain(3), chain_inputs(), cfg)
-    report = GraphReport.from_analysis(0, stages.analysis, cfg, joint=stages.joint.gm)
+    where = Whereabouts.of(stages.analysis, stages.joint.gm)
+    report = GraphReport.from_analysis(0, stages.analysis, cfg, where)
     # F.cross_entropy runs in Chain.forward, outside modules: the nearest module upstream
     assert [b.ready_after_origin for b in report.blocks] == [
         "heads.0 (cross_entropy)", "heads.1 (cross_entropy)"]
