@@ -57,6 +57,7 @@ import torch.fx as fx
 from erase_fx.emit.capture_scope import AUTO, DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
+from erase_fx.emit.memory_plan import MemoryPlan, SlotMemory, plan_memory, slot_memory
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
 from erase_fx.errors import GraphInvariantError
@@ -136,6 +137,7 @@ class StreamProgram(Boxed):
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | str | None = None,
         side_cuda_streams: int | str | None = None,
+        memory: SlotMemory | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -145,6 +147,9 @@ class StreamProgram(Boxed):
         self.results = results  # ("slot", i) or ("const", value), per graph output
         self.streams = streams
         self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
+        #: what each slot's value occupies (from the split module's meta; None when built
+        #: without one): what `memory_plan` sizes the buffers by
+        self.memory = memory
         slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
         self.side_results = tuple(
             i for i, (kind, slot) in enumerate(results)
@@ -190,6 +195,16 @@ class StreamProgram(Boxed):
                 [StepIO(s.stream, s.inputs, s.outputs) for s in self.steps], self.num_inputs,
                 {slot for kind, slot in self.results if kind == "slot"}, lag)
         return self._plans[lag]
+
+    def memory_plan(self, lag: int | None = None, width: int | None = None) -> MemoryPlan:
+        """The lifetimes, predicted peaks and race check of a captured run with release lag
+        ``lag`` on ``width`` side CUDA streams (`erase_fx.emit.memory_plan`)."""
+        if self.memory is None:
+            raise GraphInvariantError(WHERE, "a program built without its slots' sizes has no "
+                                      "memory plan: build it from a split module")
+        return plan_memory([StepIO(s.stream, s.inputs, s.outputs, s.waits) for s in self.steps],
+                           self.memory, {slot for kind, slot in self.results if kind == "slot"},
+                           self.capture_plan_for(lag), width)
 
     def add_completion_hooks(
         self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
@@ -291,8 +306,10 @@ class StreamProgram(Boxed):
                 records_event=k in read_elsewhere,
                 at_graph_end=segment.at_graph_end,
             ))
+        memory = slot_memory(_slot_values(segmented.gm, slot),
+                             [*range(len(placeholders)), *(s for s, _ in constants)])
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag, side_cuda_streams)
+                   tuple(constants), release_lag, side_cuda_streams, memory)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -459,6 +476,23 @@ class StreamProgram(Boxed):
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value
+
+
+def _slot_values(gm: fx.GraphModule, slot: dict[fx.Node, int]) -> list[Any]:
+    """Each slot's example value (fake tensors of the forward's trace, by slot): a
+    placeholder's own, a constant itself, a segment's output that of the node it returns."""
+    values: list[Any] = [None] * len(slot)
+    for node, i in slot.items():
+        if node.op == "call_function":  # a getitem of a segment's outputs
+            call, index = node.args
+            returned = getattr(gm, call.target).graph.find_nodes(op="output")[0].args[0]
+            value = returned[index]
+            values[i] = value.meta.get("val") if isinstance(value, fx.Node) else value
+        elif node.op == "get_attr":
+            values[i] = _fetch_attr(gm, node.target)
+        else:
+            values[i] = node.meta.get("val")
+    return values
 
 
 def _device_of(values: Sequence[Any]) -> torch.device | None:

@@ -50,11 +50,14 @@ from erase_fx.passes import MAIN_STREAM
 
 @dataclasses.dataclass(frozen=True)
 class StepIO:
-    """What the plan needs of one step: its stream, the slots it reads and writes."""
+    """What the plan needs of one step: its stream, the slots it reads and writes; and the
+    earlier steps whose events its stream waits for before it runs (`Step.waits`: what
+    `erase_fx.emit.memory_plan` orders the steps by; the release plan does not read it)."""
 
     stream: int
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    waits: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
