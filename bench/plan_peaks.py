@@ -19,16 +19,18 @@ mark of the values its segments hand each other (MiB):
   needs in the program's own order;
 
 per stream for ``today`` and ``one pool`` (main, side 1, ...: a stream's pool,
-or its share of the one pool's peak), and the races the check finds in
-today's releases (`check_releases`) over every release lag (None, 1, 2) and
-folding (none, 1, 2): 0 on a correct plan.
+or its share of the one pool's peak); then ``today`` and ``one pool`` again
+with each segment's own temporaries counted, held on its stream while it runs
+(`segment_temporaries`: a block's logits and their gradient inside its
+segment; estimated from the FX graph, before Inductor fuses); and the races
+the check finds in today's releases (`check_releases`) over every release lag
+(None, 1, 2) and folding (none, 1, 2): 0 on a correct plan.
 
-Not predicted: what a segment allocates inside (a block's logits and their
-gradient within its segment), the cuBLAS workspaces (one per stream), the
-allocator's rounding, and the backward. A GPU run compares these figures to
-the step memory ``bench.run`` measures: the difference between the rules is
-what a realization can win on the values; what the step measures beyond
-``today`` is the rest. ``--out`` updates a table
+Not predicted: the cuBLAS workspaces (one per stream), the allocator's
+rounding, and the backward. A GPU run compares these figures to the step
+memory ``bench.run`` measures: the difference between the rules is what a
+realization can win; what the step measures beyond ``today`` is the rest.
+``--out`` updates a table
 (``bench/results/plan_peaks.md`` on the GPU: ``bash bench/device_run.sh
 plan-a``); a row of the same config, device and stages replaces its own.
 """
@@ -103,6 +105,8 @@ class Prediction:
         today: release_lag None, one CUDA stream per side stream.
         today_lag2, today_folded2: release_lag 2; the side streams folded onto 2.
         record_stream, one_pool: the plan's two rules (`MemoryPlan`).
+        inside_today, inside_one_pool: today and one pool, the segments' temporaries
+            counted.
         races: today's releases found racing, over `LAGS` x `WIDTHS`.
     """
 
@@ -112,12 +116,15 @@ class Prediction:
     today_folded2: Peaks
     record_stream: Peaks
     one_pool: Peaks
+    inside_today: Peaks
+    inside_one_pool: Peaks
     races: int
 
 
 def predict(programs: list[program_module.StreamProgram]) -> Prediction:
     """The `Prediction` of a config's programs."""
     plans = [p.memory_plan() for p in programs]
+    inside = [p.memory_plan(temporaries=True) for p in programs]
     races = sum(len(p.memory_plan(lag, width).races)
                 for p in programs for lag, width in itertools.product(LAGS, WIDTHS))
     return Prediction(
@@ -127,6 +134,8 @@ def predict(programs: list[program_module.StreamProgram]) -> Prediction:
         today_folded2=_summed(p.memory_plan(None, 2).today for p in programs),
         record_stream=_summed(plan.record_stream for plan in plans),
         one_pool=_summed(plan.one_pool for plan in plans),
+        inside_today=_summed(plan.today for plan in inside),
+        inside_one_pool=_summed(plan.one_pool for plan in inside),
         races=races,
     )
 
@@ -152,7 +161,6 @@ def _streams(peaks: Peaks) -> str:
 
 def row_of(text: str, device: torch.device, stages: str, found: Prediction) -> dict[str, str]:
     """One table row: the config, device and stages, then the MiB of each rule."""
-    ratio = found.one_pool.total / found.today.total if found.today.total else 0.0
     return {
         "config": text, "device": device.type, "stages": stages,
         "programs": str(found.programs),
@@ -161,13 +169,18 @@ def row_of(text: str, device: torch.device, stages: str, found: Prediction) -> d
         "folded to 2 MiB": _mib(found.today_folded2.total),
         "record_stream MiB": _mib(found.record_stream.total),
         "one pool MiB": _mib(found.one_pool.total), "one pool by stream": _streams(found.one_pool),
-        "one pool / today": f"{ratio:.2f}", "races": str(found.races),
+        "with temporaries: today MiB": _mib(found.inside_today.total),
+        "with temporaries: today by stream": _streams(found.inside_today),
+        "with temporaries: one pool MiB": _mib(found.inside_one_pool.total),
+        "races": str(found.races),
     }
 
 
 KEY = ("config", "device", "stages")
 COLUMNS = (*KEY, "programs", "today MiB", "today by stream", "lag 2 MiB", "folded to 2 MiB",
-           "record_stream MiB", "one pool MiB", "one pool by stream", "one pool / today", "races")
+           "record_stream MiB", "one pool MiB", "one pool by stream",
+           "with temporaries: today MiB", "with temporaries: today by stream",
+           "with temporaries: one pool MiB", "races")
 TITLE = "bench.plan_peaks: the memory a captured forward's values need, predicted"
 INTRO = """\
 Written by `python -m bench.plan_peaks --out bench/results/plan_peaks.md` (on the GPU,
@@ -175,9 +188,10 @@ Written by `python -m bench.plan_peaks --out bench/results/plan_peaks.md` (on th
 when run again. MiB of the values the forward's segments hand each other at their predicted
 peak, by rule (`erase_fx.emit.memory_plan`): today's release plan (release_lag None, lag 2,
 side streams folded to 2), each value marked with record_stream, one pool for every stream;
-by stream: main, side 1, .... Races: today's releases that a reader may still use, over
-release lags None, 1, 2 and foldings none, 1, 2 (0 expected). Segment temporaries, cuBLAS
-workspaces and the backward are not predicted."""
+by stream: main, side 1, ...; then today and one pool with each segment's temporaries held on
+its stream while it runs (estimated from its FX graph, before Inductor fuses). Races: today's
+releases that a reader may still use, over release lags None, 1, 2 and foldings none, 1, 2 (0
+expected). cuBLAS workspaces and the backward are not predicted."""
 
 
 def main(argv=None) -> int:

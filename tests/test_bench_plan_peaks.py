@@ -91,3 +91,18 @@ def test_the_printout_has_a_row_per_config_and_stages_and_updates_its_table(tmp_
     assert float(row["one pool MiB"]) <= float(row["today MiB"])
     assert len(row["today by stream"].split(", ")) == 3  # main and two side streams
     assert "mlp:32:64:128:4" in out.read_text()
+
+
+def test_each_blocks_segment_holds_its_heads_temporaries_on_its_stream(bench_programs):
+    """gpt with stages on side streams: each block's segment (head, loss, early backward)
+    holds its logits and their gradient inside; counted, they raise its stream's peak."""
+    program = bench_programs[("gpt:2:64:32:3", True)][0]
+    blocks = [k for k, s in enumerate(program.steps) if "_block_" in s.name
+              and "_stage_" not in s.name]
+    logits = 2 * 32 * 8192 * 4  # batch x tokens x vocab, fp32 on CPU without autocast
+    assert blocks and all(program.temporaries[k] >= logits for k in blocks)
+    values, inside = program.memory_plan(), program.memory_plan(temporaries=True)
+    for stream in {program.steps[k].stream for k in blocks}:
+        assert inside.today.by_stream[stream] >= values.today.by_stream[stream] + logits
+    assert values.one_pool.total < inside.one_pool.total <= inside.today.total
+    assert inside.races == ()

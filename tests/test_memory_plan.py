@@ -213,3 +213,36 @@ def test_todays_rule_never_races_and_the_plan_needs_no_more_than_it(seed):
         if lag is None:
             assert all(m <= t for m, t in zip(plan.reused_record_stream, plan.reused_today))
             assert plan.one_pool.total <= plan.record_stream.total <= plan.today.total
+
+
+# -- what a segment holds inside ---------------------------------------------------------------
+
+def test_a_segments_temporaries_are_its_values_alive_at_once_but_its_inputs_and_outputs():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from erase_fx.emit.memory_plan import segment_temporaries
+
+    def segment(x):
+        a = x * 2
+        b = a + 1  # a and b alive together: the peak
+        c = b.view(-1)  # a view: no memory of its own
+        mean, var = torch.var_mean(c.view(4, 25), dim=0)  # two new values at once
+        return mean + var, x.view(-1)
+
+    gm = make_fx(segment, tracing_mode="fake")(torch.randn(10, 10))
+    assert segment_temporaries(gm) == 2 * 100 * 4
+
+
+def test_a_steps_temporaries_are_held_on_its_stream_while_it_runs():
+    steps = chain_steps()
+    capture = plan_captured_releases(steps, 2, {6}, None)
+    values = plan_memory(steps, sized(SIZES, 8), {6}, capture)
+    plan = plan_memory(steps, sized(SIZES, 8), {6}, capture,
+                       temporaries=[10, 1000, 0, 0, 0, 0])
+    inside = [b for b in plan.buffers if b.slots == ()]
+    assert [(b.producer, b.stream, b.nbytes) for b in inside] == [(0, MAIN, 10), (1, SIDE1, 1000)]
+    assert plan.today.by_stream[SIDE1] == 1001  # its loss and its temporaries
+    assert plan.today.by_stream[MAIN] == values.today.by_stream[MAIN]  # freed after step 0
+    # side 1's temporaries overlap the activations, slot 4 and the other losses
+    assert plan.one_pool.total == values.one_pool.total + 1000
+    assert plan.races == ()

@@ -52,6 +52,7 @@ from typing import Any
 
 import networkx as nx
 import torch
+import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from erase_fx.emit.release import CapturePlan, SlotUses, StepIO
@@ -97,6 +98,50 @@ def slot_memory(values: Sequence[Any], external_slots: Iterable[int]) -> SlotMem
         nbytes.append(_storage_bytes(stored))
     external = frozenset(storage[s] for s in external_slots if storage[s] >= 0)
     return SlotMemory(tuple(nbytes), tuple(storage), external)
+
+
+def segment_temporaries(gm: fx.GraphModule) -> int:
+    """The most bytes a segment holds at once beyond its inputs and outputs, from its FX graph.
+
+    Each node's value is allocated when the node runs (a view takes no memory
+    of its own: it shares its base's storage) and freed after the last node
+    that reads a value of its storage; the inputs' and outputs' storages are not
+    counted (the caller's and the program's buffers). This is the graph's
+    order at the level of aten ops: Inductor fuses elementwise chains and
+    reuses buffers, so it is an estimate from above of what an Inductor
+    segment allocates inside.
+    """
+    nodes = list(gm.graph.nodes)
+    values = {node: _tensors_of(node.meta.get("val")) for node in nodes}
+    outside = {StorageWeakRef(t.untyped_storage()) for node in nodes if node.op == "placeholder"
+               for t in values[node]}
+    returned = nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []
+    outside.update(StorageWeakRef(t.untyped_storage()) for node in returned for t in values[node])
+    last: dict[StorageWeakRef, int] = {}
+    for i, node in enumerate(nodes):
+        for read in (node, *node.all_input_nodes):
+            for t in values[read]:
+                last[StorageWeakRef(t.untyped_storage())] = i
+    live: dict[StorageWeakRef, int] = {}
+    peak = 0
+    for i, node in enumerate(nodes):
+        for t in values[node]:
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in outside and key not in live:
+                live[key] = _storage_bytes(t.untyped_storage())
+        peak = max(peak, sum(live.values()))
+        for key in [k for k in live if last[k] <= i]:
+            del live[key]
+    return peak
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a node's example value (one, or those of a tuple or list)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
 
 
 def _storage_bytes(stored: Any) -> int:
@@ -154,7 +199,8 @@ class Buffer:
     """One allocation of the forward: the slots that share a storage it made.
 
     Attributes:
-        slots: the slots that hold it (a value and the views of it other steps return).
+        slots: the slots that hold it (a value and the views of it other steps return;
+            none: the temporaries of its producer, held while that step runs).
         nbytes: its bytes.
         producer: the step that made it (the first to return one of its slots).
         stream: the CUDA stream of that step, whose pool the memory comes from.
@@ -211,6 +257,19 @@ def buffers_of(steps: Sequence[StepIO], memory: SlotMemory, kept: set[int],
     return tuple(sorted(found, key=lambda b: (b.producer, b.slots)))
 
 
+def temporaries_of(temporaries: Sequence[int], order: Order) -> tuple[Buffer, ...]:
+    """A buffer per step that holds temporaries (``temporaries[k]`` bytes, as
+    `segment_temporaries` estimates them): made by the step, used by nothing after it."""
+    streams = sorted(set(order.streams))
+    found = []
+    for k, size in enumerate(temporaries):
+        if size > 0:
+            buffer = Buffer((), size, k, order.streams[k], (), False, {})
+            buffer.reuse_at.update((s, _first_after_uses(buffer, s, order)) for s in streams)
+            found.append(buffer)
+    return tuple(found)
+
+
 def _first_after_uses(buffer: Buffer, stream: int, order: Order) -> int | None:
     """The first step on ``stream`` after the buffer's last use that every use happens before."""
     k = order.first_on(stream, buffer.last_use + 1)
@@ -242,8 +301,9 @@ def released_by_plan(buffers: Sequence[Buffer], plan: CapturePlan, pinned: froze
         when.update((s, k + 1) for s in slots)
     for k, slots in enumerate(plan.releases_before):
         when.update((s, k) for s in slots)
-    return tuple(max(num_steps if s in pinned else when.get(s, num_steps) for s in b.slots)
-                 for b in buffers)
+    # NB: a step's temporaries (no slot) are its stream's again once it is done
+    return tuple(max((num_steps if s in pinned else when.get(s, num_steps) for s in b.slots),
+                     default=b.producer + 1) for b in buffers)
 
 
 def reused_after(buffers: Sequence[Buffer], released: Sequence[int], order: Order,
@@ -419,7 +479,8 @@ class MemoryPlan:
 
 
 def plan_memory(steps: Sequence[StepIO], memory: SlotMemory, kept: set[int],
-                capture: CapturePlan, width: int | None = None) -> MemoryPlan:
+                capture: CapturePlan, width: int | None = None,
+                temporaries: Sequence[int] | None = None) -> MemoryPlan:
     """The memory plan of a captured forward.
 
     Args:
@@ -429,12 +490,17 @@ def plan_memory(steps: Sequence[StepIO], memory: SlotMemory, kept: set[int],
         capture: today's release plan (`erase_fx.emit.release.plan_captured_releases`).
         width: ``side_cuda_streams``: the side streams folded onto this many CUDA streams
             (None: one each), as the captured run folds them.
+        temporaries: per step, the bytes it holds inside beyond its inputs and outputs
+            (`segment_temporaries`), each a buffer of its own; None: values only.
     """
     streams = [fold(step.stream, width) for step in steps]
     order = happens_before(streams, [step.waits for step in steps])
     captured = happens_before(streams, [(*step.waits, *capture.waits_before[k])
                                         for k, step in enumerate(steps)])
     buffers = buffers_of(steps, memory, kept, order)
+    if temporaries is not None:
+        buffers = tuple(sorted(buffers + temporaries_of(temporaries, order),
+                               key=lambda b: (b.producer, b.slots == (), b.slots)))
     n = len(steps)
     released = released_by_plan(buffers, capture, pinned_slots(steps, memory), n)
     today = reused_after(buffers, released, captured, n)

@@ -57,7 +57,9 @@ import torch.fx as fx
 from erase_fx.emit.capture_scope import AUTO, DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
-from erase_fx.emit.memory_plan import MemoryPlan, SlotMemory, plan_memory, slot_memory
+from erase_fx.emit.memory_plan import (
+    MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
+)
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps
 from erase_fx.errors import GraphInvariantError
@@ -138,6 +140,7 @@ class StreamProgram(Boxed):
         release_lag: int | str | None = None,
         side_cuda_streams: int | str | None = None,
         memory: SlotMemory | None = None,
+        temporaries: tuple[int, ...] | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -150,6 +153,9 @@ class StreamProgram(Boxed):
         #: what each slot's value occupies (from the split module's meta; None when built
         #: without one): what `memory_plan` sizes the buffers by
         self.memory = memory
+        #: per step, the bytes its segment holds inside at its peak, estimated from its FX
+        #: graph (`segment_temporaries`; None when built without one)
+        self.temporaries = temporaries
         slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
         self.side_results = tuple(
             i for i, (kind, slot) in enumerate(results)
@@ -196,15 +202,18 @@ class StreamProgram(Boxed):
                 {slot for kind, slot in self.results if kind == "slot"}, lag)
         return self._plans[lag]
 
-    def memory_plan(self, lag: int | None = None, width: int | None = None) -> MemoryPlan:
+    def memory_plan(self, lag: int | None = None, width: int | None = None,
+                    temporaries: bool = False) -> MemoryPlan:
         """The lifetimes, predicted peaks and race check of a captured run with release lag
-        ``lag`` on ``width`` side CUDA streams (`erase_fx.emit.memory_plan`)."""
+        ``lag`` on ``width`` side CUDA streams (`erase_fx.emit.memory_plan`); with
+        ``temporaries``, each segment's own temporaries count too (`self.temporaries`)."""
         if self.memory is None:
             raise GraphInvariantError(WHERE, "a program built without its slots' sizes has no "
                                       "memory plan: build it from a split module")
         return plan_memory([StepIO(s.stream, s.inputs, s.outputs, s.waits) for s in self.steps],
                            self.memory, {slot for kind, slot in self.results if kind == "slot"},
-                           self.capture_plan_for(lag), width)
+                           self.capture_plan_for(lag), width,
+                           self.temporaries if temporaries else None)
 
     def add_completion_hooks(
         self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
@@ -308,8 +317,10 @@ class StreamProgram(Boxed):
             ))
         memory = slot_memory(_slot_values(segmented.gm, slot),
                              [*range(len(placeholders)), *(s for s, _ in constants)])
+        temporaries = tuple(segment_temporaries(getattr(segmented.gm, call.target))
+                            for call in raw_steps)
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag, side_cuda_streams, memory)
+                   tuple(constants), release_lag, side_cuda_streams, memory, temporaries)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
