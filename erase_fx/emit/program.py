@@ -47,6 +47,7 @@ early. Each caller adds its own hooks; they run in the order they were added.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -60,12 +61,13 @@ from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.memory_plan import (
     MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
 )
-from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
-from erase_fx.emit.streams import StreamOps
+from erase_fx.emit.release import RECORD_STREAM, CapturePlan, StepIO, plan_captured_releases
+from erase_fx.emit.streams import StreamOps, record_stream_reuse_on
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward
 
 WHERE = "emit"
+log = logging.getLogger(__name__)
 #: ``record_function`` label of a step under a profiler: the prefix, then the segment name.
 PROFILE_LABEL_PREFIX = "erase_fx/"
 
@@ -168,6 +170,7 @@ class StreamProgram(Boxed):
         #: what the "auto" options run with: `DEFAULT_CHOICE` unless compile_step set one
         self.tuned: CaptureChoice = DEFAULT_CHOICE
         self._plans: dict[int | None, CapturePlan] = {}
+        self._warned_record_stream = False
         self._folded: dict[int, StreamOps] = {}
         #: whether the release lag changes anything here: some tensor the main stream makes
         #: and only side streams read (with each block's stage on its side stream, none)
@@ -345,6 +348,9 @@ class StreamProgram(Boxed):
             if self.graph_end is not None and not self.graph_end.armed:
                 stash = {}
             events = self._run(env, streams, contexts, stash)
+        elif plan is None:  # release_lag="record_stream": the allocator orders the reuse
+            self._check_record_stream_reuse()
+            events = self._run(env, streams.marking_uses(), contexts)
         else:
             events = self._run_captured(env, plan, streams, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
@@ -376,19 +382,31 @@ class StreamProgram(Boxed):
         `erase_fx.compile_step` through its `erase_fx.emit.capture_scope.StepScope`)."""
         self.tuned = choice
 
-    def _choice(self) -> tuple[CapturePlan, StreamOps]:
-        """This call's release plan (used under capture) and streams: the options', or, for
-        those set to "auto", the values `tune` set."""
+    def _choice(self) -> tuple[CapturePlan | None, StreamOps]:
+        """This call's release plan (used under capture; None with ``release_lag=
+        "record_stream"``) and streams: the options', or, for those set to "auto", the values
+        `tune` set."""
         lag, width = self.release_lag, self.side_cuda_streams
         if lag == AUTO:
             lag = self.tuned.lag
         if width == AUTO:
             width = self.tuned.width
+        plan = None if lag == RECORD_STREAM else self.capture_plan_for(lag)
         if width is None:
-            return self.capture_plan_for(lag), self.streams
+            return plan, self.streams
         if width not in self._folded:
             self._folded[width] = self.streams.folded(width)
-        return self.capture_plan_for(lag), self._folded[width]
+        return plan, self._folded[width]
+
+    def _check_record_stream_reuse(self) -> None:
+        """Say once why ``release_lag="record_stream"`` would hold memory to the end of the
+        capture: the allocator's reuse of marked memory during capture is off."""
+        if not self._warned_record_stream and not record_stream_reuse_on():
+            self._warned_record_stream = True
+            log.warning("erase_fx: release_lag='record_stream' without PYTORCH_ALLOC_CONF="
+                        "graph_capture_record_stream_reuse:True: under capture the caching "
+                        "allocator keeps every value marked with record_stream to the end of "
+                        "the capture")
 
     def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None,
              stash: dict[int, Any] | None = None) -> dict[int, Any]:
