@@ -7,6 +7,7 @@ And no release of today's plan may race, on any bench config, release lag or
 folding.
 """
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,47 @@ def test_each_blocks_segment_holds_its_heads_temporaries_on_its_stream(bench_pro
         assert inside.today.by_stream[stream] >= values.today.by_stream[stream] + logits
     assert values.one_pool.total < inside.one_pool.total <= inside.today.total
     assert inside.races == ()
+
+
+def test_the_device_parts_predict_then_measure_with_the_allocator_setting(tmp_path):
+    """bench/device_run.sh plan-a to plan-d, with a python3 that prints its arguments and the
+    allocator setting instead of running: the prediction on the four configs, the race stress
+    and the A/B rows under graph_capture_record_stream_reuse."""
+    import os
+    import subprocess
+
+    from bench.harness import Variant
+    from bench.models import parse_config
+
+    root = Path(__file__).resolve().parent.parent
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\necho "python3 $* [${PYTORCH_ALLOC_CONF:-}]"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTORCH_ALLOC_CONF")}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    calls = {}
+    for part in ("plan-a", "plan-b", "plan-c", "plan-d"):
+        result = subprocess.run(["bash", "bench/device_run.sh", part], capture_output=True,
+                                text=True, env=env, cwd=root)
+        assert result.returncode == 0, result.stderr
+        calls[part] = [line for line in result.stdout.splitlines() if "-m bench." in line
+                       and "pip" not in line]
+    configs = "gpt:16:384:256:8,ctr:16384:1024:2048:6,mlp:128:2000:2000:4,tv-resnet18-dgl:256:32"
+    [predict] = calls["plan-a"]
+    assert f"bench.plan_peaks --device cuda --configs {configs}" in predict
+    assert predict.endswith("[]")  # the prediction needs no allocator setting
+    [stress] = calls["plan-b"]
+    assert "--checks record-stream" in stress
+    assert stress.endswith("[graph_capture_record_stream_reuse:True]")
+    measured = []
+    for part in ("plan-c", "plan-d"):
+        [run] = calls[part]
+        assert run.startswith("python3 -m bench.run") and run.endswith(
+            "[graph_capture_record_stream_reuse:True]")
+        words = run.split()
+        measured += words[words.index("--configs") + 1].split(",")
+        variants = words[words.index("--variants") + 1].split(",")
+        assert [str(Variant.parse(v)) for v in variants] == [
+            "inductor+step", "erase+step", "erase+step/release-lag=record-stream"]
+    assert measured == configs.split(",")
+    assert all(parse_config(text) for text in measured)
