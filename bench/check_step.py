@@ -59,7 +59,15 @@ gradient accumulation over two micro-batches, one optimizer per model,
    (stages on the main stream, so the lag matters; three side streams, so
    folding onto two does): compile_step times each candidate and keeps one
    within the steps given, leaves one graph pool, and trains bitwise as the
-   defaults do, in deterministic mode.
+   defaults do, in deterministic mode;
+13. ``record-stream`` (not in the default list; needs
+   ``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True``): erase on
+   gpt:16:384:256:8 with ``release_lag="record_stream"`` (issue 39's
+   candidate: every value dropped after its last reader, marked with
+   ``record_stream``, the allocator ordering its reuse during capture), with
+   each block's stage on the main stream (its activations cross to the side
+   stream) and with the side streams folded onto 2 CUDA streams: each trained
+   bitwise as release_lag None trains, in deterministic mode.
 """
 from __future__ import annotations
 
@@ -671,6 +679,30 @@ def check_release_lag(report, device, steps, config="tv-vit-dgl:64:32"):
                   f"compile_step, {len(batches)} steps, against the defaults", auto, held)
 
 
+def check_record_stream(report, device, steps, config="gpt:16:384:256:8"):
+    """``release_lag="record_stream"``: the allocator reuses marked memory during capture once
+    the graph orders every marked use before the new allocation; a race would change bits.
+    Each layout trained with it and with release_lag None, bitwise equal."""
+    from erase_fx.emit.streams import record_stream_reuse_on
+
+    if not record_stream_reuse_on():
+        report.check(f"release_lag='record_stream' on {config}", False,
+                     "needs PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True")
+        return
+    base, batches = config_batches(config, device, steps)
+    layouts = (("stages on the main stream", {"stages_on_side": False}),
+               ("side streams folded onto 2", {"side_cuda_streams": 2}))
+    with deterministic_algorithms():
+        train_in_step(base, batches[:2])  # NB: the process's first compile autotunes
+        for label, tuning in layouts:
+            held = train_in_step(base, batches,
+                                 options={"tuning": {"release_lag": None, **tuning}})
+            marked = train_in_step(base, batches,
+                                   options={"tuning": {"release_lag": "record_stream", **tuning}})
+            check_bitwise(report, f"release_lag='record_stream' on {config}, {label}, "
+                          f"compile_step, {len(batches)} steps, against None", marked, held)
+
+
 def check_eager_timing(report, device, timings):
     batches = make_batches(4, device, seed=6)
     _, step, *_ = train("eager", "adam", batches, device, captured=False)
@@ -681,7 +713,8 @@ def check_eager_timing(report, device, timings):
 
 CHECKS = ("exactness", "failed-capture", "dropout", "lr", "inductor", "timing", "early-optimizer")
 #: Checks run only when asked for (``--checks``): they need torchvision, or take minutes.
-EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt", "release-lag")
+EXTRA_CHECKS = ("early-optimizer-conv", "determinism-conv", "determinism-gpt", "release-lag",
+                "record-stream")
 
 
 def main(argv=None) -> int:
@@ -718,6 +751,7 @@ def main(argv=None) -> int:
         "determinism-conv": lambda: check_determinism_conv(report, device, args.steps),
         "determinism-gpt": lambda: check_determinism_gpt(report, device, args.steps),
         "release-lag": lambda: check_release_lag(report, device, args.steps),
+        "record-stream": lambda: check_record_stream(report, device, args.steps),
     }
     for name in chosen:
         check = runs[name]

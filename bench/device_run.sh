@@ -278,6 +278,28 @@
 #   bash bench/device_run.sh patterns-b  the drop-in pair alone (erase+graphs, reduce-overhead) on
 #                                      the same configs, for those patterns-a's time left out
 #                                      (~8 min, estimated)
+#   bash bench/device_run.sh plan-a    issue 39's memory plan on the GPU's dtypes: bench.plan_peaks
+#                                      (the predicted peak of each forward's values under today's
+#                                      release plan, with release_lag="record_stream" and with one
+#                                      pool for every stream, segment temporaries with and without,
+#                                      and the race check) on gpt:16:384:256:8,
+#                                      ctr:16384:1024:2048:6, mlp:128:2000:2000:4 and
+#                                      tv-resnet18-dgl:256:32, into plan_peaks.md: the figures the
+#                                      step memory of plan-c and plan-d is compared with (~6 min,
+#                                      estimated; not yet run)
+#   bash bench/device_run.sh plan-b    release_lag="record_stream" under
+#                                      PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True:
+#                                      bench.check_step's record-stream race stress (gpt:16, 2,000
+#                                      steps, stages on the main stream and side streams folded
+#                                      onto 2, each bitwise against release_lag None) (~8 min,
+#                                      estimated; not yet run)
+#   bash bench/device_run.sh plan-c    after plan-b passes: erase+step/release-lag=record-stream
+#                                      against erase+step (the default) and inductor+step, step
+#                                      memory and time in one run, on gpt:16:384:256:8 and
+#                                      ctr:16384:1024:2048:6, with the allocator setting on for
+#                                      every row (~8 min, estimated; not yet run)
+#   bash bench/device_run.sh plan-d    the same on mlp:128:2000:2000:4 and tv-resnet18-dgl:256:32
+#                                      (~8 min, estimated; not yet run)
 #     patterns-a and patterns-b take --smoke: the same part on the CPU at tiny sizes, aot_eager
 #     inside, its table in /tmp/erase_fx_device_run/smoke (never bench/results); exits non-zero
 #     if a row failed (~4 min on 2 cores): run it before a GPU call
@@ -303,6 +325,7 @@ case "${1:-}" in
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
   patterns-a|patterns-b|dropin-a) ;;
+  plan-a|plan-b|plan-c|plan-d) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
 SMOKE=
@@ -361,6 +384,10 @@ PATTERNS+=,pattern-logged_on_module:1024:2048:4,pattern-vgg_local_loss:256:64:4
 PATTERNS+=,pattern-gpt2_probes:16:768:6,pattern-data_dependent_between:1024:2048:4
 PATTERNS+=,pattern-ff_accumulator:1024:2048:4
 # NB: the same patterns at tiny sizes, for --smoke
+# NB: issue 39's configs (plan-a to plan-d) and the allocator setting its candidate needs
+PLAN_CONFIGS=gpt:16:384:256:8,ctr:16384:1024:2048:6,mlp:128:2000:2000:4,tv-resnet18-dgl:256:32
+REUSE=graph_capture_record_stream_reuse:True
+PLAN_VARIANTS=inductor+step,erase+step,erase+step/release-lag=record-stream
 PATTERNS_SMOKE=pattern-ff_one_graph:4:32:2,pattern-hooked_activations:4:32:2
 PATTERNS_SMOKE+=,pattern-logged_on_module:4:32:2,pattern-vgg_local_loss:4:8:2
 PATTERNS_SMOKE+=,pattern-gpt2_probes:2:32:2,pattern-data_dependent_between:4:32:2
@@ -887,6 +914,19 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
   patterns-b)
     if [ -n "$SMOKE" ]; then patterns reduce-overhead,erase+graphs 0 0
     else patterns reduce-overhead,erase+graphs 560 460; fi ;;
+  plan-a)
+    timeout 570 python3 -m bench.plan_peaks --device cuda --configs "$PLAN_CONFIGS" \
+      --out bench/results/plan_peaks.md 2>&1 | grep -v '^erase_fx: graph' ;;
+  plan-b)
+    PYTORCH_ALLOC_CONF=$REUSE timeout 570 python3 -m bench.check_step --checks record-stream \
+      --steps 400 2>&1 | grep -v '^erase_fx: graph' ;;
+  plan-c)
+    # NB: the setting for every row: it changes nothing where nothing is marked under capture
+    PYTORCH_ALLOC_CONF=$REUSE run plan-c gpt:16:384:256:8,ctr:16384:1024:2048:6 \
+      "$PLAN_VARIANTS" --sweep-configs '' --trials 3 2>&1 | grep -v '^erase_fx: graph' ;;
+  plan-d)
+    PYTORCH_ALLOC_CONF=$REUSE run plan-d mlp:128:2000:2000:4,tv-resnet18-dgl:256:32 \
+      "$PLAN_VARIANTS" --sweep-configs '' --trials 3 2>&1 | grep -v '^erase_fx: graph' ;;
   paper)
     timeout 230 python3 -m bench.paper.digits || true
     timeout 340 python3 -m bench.paper.nanochat --quick --attention manual,sdpa || true

@@ -38,7 +38,11 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   under capture, memory released N segments after its
   last reader instead of at the join; ``/release-lag=none``: at the join;
   ``=auto``, the default: ``compile_step`` times the candidates and keeps
-  one, `erase_fx.capture_tuning`), ``/side-cuda-streams=N``, ``=none`` and
+  one, `erase_fx.capture_tuning`; ``=record-stream``: every value dropped
+  after its last reader and marked with ``record_stream``, the allocator
+  ordering the reuse, which needs
+  ``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True``),
+  ``/side-cuda-streams=N``, ``=none`` and
   ``=auto`` (`Tuning.side_cuda_streams`),
   ``/stages-on-main`` and
   ``/stages-on-side`` (``stages_on_side=False`` or ``True``: each
@@ -204,7 +208,7 @@ class Variant:
             if compiler != "erase":
                 raise ValueError(f"variant {name!r}: controls (/{'/'.join(CONTROLS)}, "
                                  f"/streams=N, /release-lag=N) apply to erase variants only")
-            numbered = (r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto|none)"
+            numbered = (r"streams=(0|[1-9]\d*)|release-lag=([1-9]\d*|auto|none|record-stream)"
                         r"|side-cuda-streams=([1-9]\d*|auto|none)")
             changed: dict[str, str] = {}
             for one in control.split("/"):
@@ -298,7 +302,7 @@ def _control_options(control: str) -> dict[str, Any]:
     if control in STEP_CONTROL_OPTIONS or control in PATCH_CONTROLS:
         return {}
     key, value = control.split("=")
-    named = {"auto": "auto", "none": None}
+    named = {"auto": "auto", "none": None, "record-stream": "record_stream"}
     option = {key.replace("-", "_"): named[value] if value in named else int(value)}
     return {"tuning": option} if key in TUNING_CONTROLS else option
 

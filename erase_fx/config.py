@@ -25,6 +25,8 @@ PARTITIONERS = ("min_cut", "default")
 ON_ERROR = ("fallback", "raise")
 #: The value of ``release_lag`` and ``side_cuda_streams`` that lets `erase_fx.compile_step` choose.
 AUTO = "auto"
+#: The value of ``release_lag`` that leaves the reuse of memory under capture to the allocator.
+RECORD_STREAM = "record_stream"
 
 
 #: How a tuning setting is named in messages (``tuning.release_lag``).
@@ -84,9 +86,17 @@ class Tuning:
             with None, 2 and 1, times replays of each and keeps the least
             memory within 2% of the fastest (`erase_fx.capture_tuning`);
             outside its captures ``"auto"`` runs as None (nothing there times
-            the candidates: `erase_fx.emit.capture_scope`). Uncaptured, the
-            caching allocator frees every tensor after its last reader
-            whatever this says (`erase_fx.emit.release`).
+            the candidates: `erase_fx.emit.capture_scope`).
+            ``"record_stream"`` (a candidate of issue 39, to be measured):
+            under capture every value is dropped after its last reader and
+            marked as used by each stream that read it, as outside capture,
+            and the caching allocator reuses its memory on the stream that
+            made it once the graph orders those reads before (no wait of
+            erase's own); it needs
+            ``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True``,
+            without which such memory is kept to the end of the capture.
+            Uncaptured, the caching allocator frees every tensor after its
+            last reader whatever this says (`erase_fx.emit.release`).
         side_cuda_streams: how many CUDA streams run the ``streams`` side
             streams: side stream ``s`` runs on CUDA stream
             ``1 + (s - 1) % side_cuda_streams``, in the same launch order and
@@ -162,12 +172,13 @@ class Tuning:
 
     def __post_init__(self) -> None:
         _check_choice("partitioner", self.partitioner, PARTITIONERS, _TUNING)
-        for name in ("release_lag", "side_cuda_streams"):
+        for name, named in (("release_lag", (AUTO, RECORD_STREAM)), ("side_cuda_streams", (AUTO,))):
             value = getattr(self, name)
-            if value is not None and value != AUTO and (
+            if value is not None and value not in named and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise EraseOptionError(_TUNING + name, value,
-                                       f"an integer >= 1, {AUTO!r} or None (default {AUTO!r})")
+                                       f"an integer >= 1, {', '.join(map(repr, named))} or None "
+                                       f"(default {AUTO!r})")
         if self.stages_on_side is not None:
             _check_type("stages_on_side", self.stages_on_side, bool, _TUNING,
                         "True, False or None (default None)")

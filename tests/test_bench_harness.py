@@ -94,6 +94,8 @@ def test_erase_options_of_the_controls():
         "inner": "inductor", "cudagraphs": False, "tuning": {"release_lag": 3}}
     assert Variant.parse("erase+step/release-lag=auto").erase_options["tuning"][
         "release_lag"] == "auto"
+    assert Variant.parse("erase+step/release-lag=record-stream").erase_options["tuning"][
+        "release_lag"] == "record_stream"
     assert Variant.parse("erase+step/release-lag=auto/side-cuda-streams=auto").erase_options[
         "tuning"] == {"release_lag": "auto", "side_cuda_streams": "auto"}
     assert Variant.parse("erase+step/side-cuda-streams=2").erase_options[

@@ -194,3 +194,70 @@ def test_outputs_of_one_step_that_share_its_memory_are_freed_under_capture(monke
             assert not shared & later, (step.name, shared & later)
         checked += 1
     assert checked >= 2  # the early stages' q, k and v (the last stage is the main stream's)
+
+
+# -- release_lag="record_stream": the allocator orders the reuse (issue 39's candidate) -------
+
+def test_record_stream_is_a_release_lag_and_near_misses_are_refused():
+    assert Tuning(release_lag="record_stream").release_lag == "record_stream"
+    with pytest.raises(Exception, match="'auto', 'record_stream' or None"):
+        Tuning(release_lag="record-stream")
+    with pytest.raises(Exception, match="an integer >= 1, 'auto' or None"):
+        Tuning(side_cuda_streams="record_stream")
+
+
+def test_with_record_stream_a_captured_run_marks_each_use_and_drops_after_the_last_reader(
+        monkeypatch, caplog):
+    """Stages on the main stream: a block's activations cross to its side stream. Under
+    capture with release_lag="record_stream" they are dropped after their last reader, as
+    outside capture (the plan would hold them to the join), every step's inputs are marked
+    as used by its stream, no wait is added, and the values are those of a plain run."""
+    stages = Stages(Chain(4), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=2, tuning=Tuning(stages_on_side=False)))
+    values = real_values(stages.fw)
+    args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
+    plain, _ = build(stages, trace=False)
+    expected = plain(list(args))
+
+    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    program, streams = build(stages, release_lag="record_stream")
+    alive = []
+    launch = program._launch
+
+    def watching(k, step, env, events, stream_ops, record=False):
+        alive.append({i for i, v in enumerate(env) if v is not None})
+        launch(k, step, env, events, stream_ops, record)
+
+    monkeypatch.setattr(program, "_launch", watching)
+    with caplog.at_level("WARNING", logger="erase_fx.emit.program"):
+        got = program(list(args))
+    for a, b in zip(expected, got):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    runs = [i for i, entry in enumerate(streams.trace) if entry[0] == "run"]
+    assert all(streams.trace[i - 1] == ("mark", streams.trace[i][1]) for i in runs)
+    assert not any(entry[0] == "wait_events" for entry in streams.trace)
+    for k, step in enumerate(program.steps):
+        for later in alive[k + 1:]:
+            assert not set(step.frees) & later, step.name
+    crossing = {slot for step in program.steps for slot in step.frees
+                if any(s.stream != MAIN for s in program.steps if slot in s.inputs)
+                and any(s.stream == MAIN and slot in s.outputs for s in program.steps)}
+    assert crossing  # activations the plan would have held to the join
+    assert "graph_capture_record_stream_reuse:True" in caplog.text
+
+
+def test_the_allocator_setting_is_read_from_torch_or_the_environment(monkeypatch):
+    from erase_fx.emit import streams
+
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF",
+                       "expandable_segments:False, graph_capture_record_stream_reuse:True")
+    assert streams.record_stream_reuse_on()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "graph_capture_record_stream_reuse:False")
+    assert not streams.record_stream_reuse_on()
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings",
+                        lambda: "graph_capture_record_stream_reuse:True", raising=False)
+    assert streams.record_stream_reuse_on()

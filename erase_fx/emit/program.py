@@ -47,6 +47,7 @@ early. Each caller adds its own hooks; they run in the order they were added.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,12 +58,16 @@ import torch.fx as fx
 from erase_fx.emit.capture_scope import AUTO, DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
-from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
-from erase_fx.emit.streams import StreamOps
+from erase_fx.emit.memory_plan import (
+    MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
+)
+from erase_fx.emit.release import RECORD_STREAM, CapturePlan, StepIO, plan_captured_releases
+from erase_fx.emit.streams import StreamOps, record_stream_reuse_on
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward
 
 WHERE = "emit"
+log = logging.getLogger(__name__)
 #: ``record_function`` label of a step under a profiler: the prefix, then the segment name.
 PROFILE_LABEL_PREFIX = "erase_fx/"
 
@@ -136,6 +141,8 @@ class StreamProgram(Boxed):
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | str | None = None,
         side_cuda_streams: int | str | None = None,
+        memory: SlotMemory | None = None,
+        temporaries: tuple[int, ...] | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -145,6 +152,12 @@ class StreamProgram(Boxed):
         self.results = results  # ("slot", i) or ("const", value), per graph output
         self.streams = streams
         self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
+        #: what each slot's value occupies (from the split module's meta; None when built
+        #: without one): what `memory_plan` sizes the buffers by
+        self.memory = memory
+        #: per step, the bytes its segment holds inside at its peak, estimated from its FX
+        #: graph (`segment_temporaries`; None when built without one)
+        self.temporaries = temporaries
         slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
         self.side_results = tuple(
             i for i, (kind, slot) in enumerate(results)
@@ -157,6 +170,7 @@ class StreamProgram(Boxed):
         #: what the "auto" options run with: `DEFAULT_CHOICE` unless compile_step set one
         self.tuned: CaptureChoice = DEFAULT_CHOICE
         self._plans: dict[int | None, CapturePlan] = {}
+        self._warned_record_stream = False
         self._folded: dict[int, StreamOps] = {}
         #: whether the release lag changes anything here: some tensor the main stream makes
         #: and only side streams read (with each block's stage on its side stream, none)
@@ -190,6 +204,19 @@ class StreamProgram(Boxed):
                 [StepIO(s.stream, s.inputs, s.outputs) for s in self.steps], self.num_inputs,
                 {slot for kind, slot in self.results if kind == "slot"}, lag)
         return self._plans[lag]
+
+    def memory_plan(self, lag: int | None = None, width: int | None = None,
+                    temporaries: bool = False) -> MemoryPlan:
+        """The lifetimes, predicted peaks and race check of a captured run with release lag
+        ``lag`` on ``width`` side CUDA streams (`erase_fx.emit.memory_plan`); with
+        ``temporaries``, each segment's own temporaries count too (`self.temporaries`)."""
+        if self.memory is None:
+            raise GraphInvariantError(WHERE, "a program built without its slots' sizes has no "
+                                      "memory plan: build it from a split module")
+        return plan_memory([StepIO(s.stream, s.inputs, s.outputs, s.waits) for s in self.steps],
+                           self.memory, {slot for kind, slot in self.results if kind == "slot"},
+                           self.capture_plan_for(lag), width,
+                           self.temporaries if temporaries else None)
 
     def add_completion_hooks(
         self, begin: BeginHook, hooks: Sequence[tuple[Sequence[int], CompletionFn]]
@@ -291,8 +318,12 @@ class StreamProgram(Boxed):
                 records_event=k in read_elsewhere,
                 at_graph_end=segment.at_graph_end,
             ))
+        memory = slot_memory(_slot_values(segmented.gm, slot),
+                             [*range(len(placeholders)), *(s for s, _ in constants)])
+        temporaries = tuple(segment_temporaries(getattr(segmented.gm, call.target))
+                            for call in raw_steps)
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag, side_cuda_streams)
+                   tuple(constants), release_lag, side_cuda_streams, memory, temporaries)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -317,6 +348,9 @@ class StreamProgram(Boxed):
             if self.graph_end is not None and not self.graph_end.armed:
                 stash = {}
             events = self._run(env, streams, contexts, stash)
+        elif plan is None:  # release_lag="record_stream": the allocator orders the reuse
+            self._check_record_stream_reuse()
+            events = self._run(env, streams.marking_uses(), contexts)
         else:
             events = self._run_captured(env, plan, streams, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
@@ -348,19 +382,31 @@ class StreamProgram(Boxed):
         `erase_fx.compile_step` through its `erase_fx.emit.capture_scope.StepScope`)."""
         self.tuned = choice
 
-    def _choice(self) -> tuple[CapturePlan, StreamOps]:
-        """This call's release plan (used under capture) and streams: the options', or, for
-        those set to "auto", the values `tune` set."""
+    def _choice(self) -> tuple[CapturePlan | None, StreamOps]:
+        """This call's release plan (used under capture; None with ``release_lag=
+        "record_stream"``) and streams: the options', or, for those set to "auto", the values
+        `tune` set."""
         lag, width = self.release_lag, self.side_cuda_streams
         if lag == AUTO:
             lag = self.tuned.lag
         if width == AUTO:
             width = self.tuned.width
+        plan = None if lag == RECORD_STREAM else self.capture_plan_for(lag)
         if width is None:
-            return self.capture_plan_for(lag), self.streams
+            return plan, self.streams
         if width not in self._folded:
             self._folded[width] = self.streams.folded(width)
-        return self.capture_plan_for(lag), self._folded[width]
+        return plan, self._folded[width]
+
+    def _check_record_stream_reuse(self) -> None:
+        """Say once why ``release_lag="record_stream"`` would hold memory to the end of the
+        capture: the allocator's reuse of marked memory during capture is off."""
+        if not self._warned_record_stream and not record_stream_reuse_on():
+            self._warned_record_stream = True
+            log.warning("erase_fx: release_lag='record_stream' without PYTORCH_ALLOC_CONF="
+                        "graph_capture_record_stream_reuse:True: under capture the caching "
+                        "allocator keeps every value marked with record_stream to the end of "
+                        "the capture")
 
     def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None,
              stash: dict[int, Any] | None = None) -> dict[int, Any]:
@@ -459,6 +505,23 @@ class StreamProgram(Boxed):
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value
+
+
+def _slot_values(gm: fx.GraphModule, slot: dict[fx.Node, int]) -> list[Any]:
+    """Each slot's example value (fake tensors of the forward's trace, by slot): a
+    placeholder's own, a constant itself, a segment's output that of the node it returns."""
+    values: list[Any] = [None] * len(slot)
+    for node, i in slot.items():
+        if node.op == "call_function":  # a getitem of a segment's outputs
+            call, index = node.args
+            returned = getattr(gm, call.target).graph.find_nodes(op="output")[0].args[0]
+            value = returned[index]
+            values[i] = value.meta.get("val") if isinstance(value, fx.Node) else value
+        elif node.op == "get_attr":
+            values[i] = _fetch_attr(gm, node.target)
+        else:
+            values[i] = node.meta.get("val")
+    return values
 
 
 def _device_of(values: Sequence[Any]) -> torch.device | None:

@@ -36,6 +36,16 @@ captures the step with each candidate lag and keeps one by timing
 (`erase_fx.capture_tuning`); the program then plans with the lag of the
 capture's trial (`StreamProgram.capture_plan_for`).
 
+With ``release_lag="record_stream"`` (a candidate of issue 39, measured on
+the GPU) a captured run has no plan of erase's own: it drops every slot after
+its last reader, as outside capture, and marks each step's inputs as used by
+the step's stream (``record_stream``); under
+``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True`` the caching
+allocator hands such memory to a later allocation of the stream that made it
+once the captured graph orders every marked use before it (pytorch#162186).
+`erase_fx.emit.memory_plan` predicts what that holds (its ``record_stream``
+rule).
+
 `plan_captured_releases` is a pure function of the program's steps; the
 tests check its plans on CPU, the race stress in ``bench/check_cuda.py`` on
 the GPU.
@@ -47,14 +57,21 @@ from collections.abc import Sequence
 
 from erase_fx.passes import MAIN_STREAM
 
+#: ``release_lag="record_stream"``: no plan of erase's own; every value dropped after its last
+#: reader and marked as used by each stream that read it (`erase_fx.emit.streams`).
+RECORD_STREAM = "record_stream"
+
 
 @dataclasses.dataclass(frozen=True)
 class StepIO:
-    """What the plan needs of one step: its stream, the slots it reads and writes."""
+    """What the plan needs of one step: its stream, the slots it reads and writes; and the
+    earlier steps whose events its stream waits for before it runs (`Step.waits`: what
+    `erase_fx.emit.memory_plan` orders the steps by; the release plan does not read it)."""
 
     stream: int
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    waits: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

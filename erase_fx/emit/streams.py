@@ -30,10 +30,20 @@ in launch order, so a wait on an event of the same stream is one it has
 already passed. Under CUDA graph capture the blocks that share a stream share
 its memory (the caching allocator reuses memory on the stream that freed it)
 and its cuBLAS workspace.
+
+`StreamOps.marking_uses()` is the same object for a captured run that marks
+every input of a step as used by the step's stream (``record_stream``) under
+capture too, as outside it: under
+``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True`` the caching
+allocator then reuses a freed block during capture once the graph orders
+every marked use before the new allocation (``release_lag="record_stream"``,
+`erase_fx.emit.release`); without that setting it keeps such blocks to the
+end of the capture (`record_stream_reuse_on` says which).
 """
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -48,6 +58,8 @@ T = TypeVar("T")
 
 class StreamOps(Protocol):
     def folded(self, width: int | None) -> StreamOps: ...
+
+    def marking_uses(self) -> StreamOps: ...
 
     def fork(self, streams: Sequence[int]) -> None: ...
 
@@ -74,14 +86,22 @@ class StreamOps(Protocol):
 
 
 class _Folding:
-    """`StreamOps.folded` for both kinds of streams: a shallow copy (what its streams hold is
-    shared) that runs side stream ``s`` on ``fold(s, width)``."""
+    """`StreamOps.folded` and `StreamOps.marking_uses` for both kinds of streams: a shallow
+    copy (what its streams hold is shared) that runs side stream ``s`` on ``fold(s, width)``,
+    or that marks a step's inputs as used by its stream under capture too."""
 
     width: int | None = None
+    #: under capture, mark each step's inputs as used by its stream (``record_stream``)
+    marks_under_capture: bool = False
 
     def folded(self, width: int | None) -> Any:
         view = copy.copy(self)
         view.width = width
+        return view
+
+    def marking_uses(self) -> Any:
+        view = copy.copy(self)
+        view.marks_under_capture = True
         return view
 
     def _on(self, stream: int) -> int:
@@ -113,6 +133,8 @@ class VirtualStreams(_Folding):
         if self.trace is not None:
             if waits:
                 self.trace.append(("wait", self._on(stream), tuple(waits)))
+            if self.marks_under_capture:
+                self.trace.append(("mark", self._on(stream)))
             self.trace.append(("run", self._on(stream)))
         return fn(inputs)
 
@@ -189,8 +211,9 @@ class CudaStreams(_Folding):
         # another stream while this stream may still read it. Outside capture,
         # record_stream says so. Under CUDA graph capture memory freed is not
         # guarded by stream uses (seen as a race on an H200, torch 2.11):
-        # there `StreamProgram` orders every reuse itself (erase_fx.emit.release).
-        if not torch.cuda.is_current_stream_capturing():
+        # there `StreamProgram` orders every reuse itself (erase_fx.emit.release),
+        # unless it marks uses under capture too (`marking_uses`).
+        if self.marks_under_capture or not torch.cuda.is_current_stream_capturing():
             for value in inputs:
                 if isinstance(value, torch.Tensor) and value.is_cuda:
                     value.record_stream(target)
@@ -296,6 +319,25 @@ class CudaStreams(_Folding):
         current = torch.cuda.current_stream(self.device)
         for stream in self._updates.values():
             current.wait_stream(stream)
+
+
+#: The allocator setting under which memory marked with ``record_stream`` is reused during a
+#: CUDA graph capture (pytorch #158352, #162186).
+RECORD_STREAM_REUSE = "graph_capture_record_stream_reuse"
+
+
+def record_stream_reuse_on() -> bool:
+    """Whether the caching allocator reuses ``record_stream``-marked memory during capture:
+    ``graph_capture_record_stream_reuse:True`` in its settings (torch's own record of them
+    where it keeps one, else ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = (read() if read is not None else "") or (
+        os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    for item in settings.replace(" ", "").split(","):
+        key, _, value = item.partition(":")
+        if key == RECORD_STREAM_REUSE:
+            return value.lower() == "true"
+    return False
 
 
 def fold(stream: int, width: int | None) -> int:
