@@ -87,8 +87,8 @@ class Tuning:
             memory within 2% of the fastest (`erase_fx.capture_tuning`);
             outside its captures ``"auto"`` runs as None (nothing there times
             the candidates: `erase_fx.emit.capture_scope`).
-            ``"record_stream"`` (a candidate of issue 39, to be measured):
-            under capture every value is dropped after its last reader and
+            ``"record_stream"`` (experimental: not yet timed on a GPU,
+            docs/performance.md#memory): under capture every value is dropped after its last reader and
             marked as used by each stream that read it, as outside capture,
             and the caching allocator reuses its memory on the stream that
             made it once the graph orders those reads before (no wait of

@@ -26,7 +26,7 @@ slot's storage (`SlotMemory`, from the FX meta) and a release plan
   marked as used by every stream that read it, and reused on its own
   stream once those streams' work at the drop happens before
   (``PYTORCH_ALLOC_CONF=graph_capture_record_stream_reuse:True``, pytorch
-  #158352, #162186: one candidate of issue 39); ``one_pool``: one pool for
+  #158352, #162186: one candidate); ``one_pool``: one pool for
   every stream, a buffer's memory reused by any step that all its uses
   happen before: the heaviest set of buffers no two of which may share
   memory (`heaviest_overlap`), the least memory any captured allocation of

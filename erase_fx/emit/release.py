@@ -36,7 +36,7 @@ captures the step with each candidate lag and keeps one by timing
 (`erase_fx.capture_tuning`); the program then plans with the lag of the
 capture's trial (`StreamProgram.capture_plan_for`).
 
-With ``release_lag="record_stream"`` (a candidate of issue 39, measured on
+With ``release_lag="record_stream"`` (experimental, not yet measured on
 the GPU) a captured run has no plan of erase's own: it drops every slot after
 its last reader, as outside capture, and marks each step's inputs as used by
 the step's stream (``record_stream``); under
