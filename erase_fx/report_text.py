@@ -9,7 +9,8 @@ of gradients it names the modules where they meet), then the table's key
 Dynamo ended the graph at a graph break, the report says where in the
 user's code (file:line and the line itself), Dynamo's reason, explanation
 and hints, and which graph runs what follows (`graph_break_lines`); a block
-left in the backward as ``last_block`` names that break too.
+left in the backward as ``last_block``, or as ``not_scalar_tangent`` (its loss
+is computed after the break), names that break too.
 `format_reports` renders the reports of one forward, in order, under one
 line that counts its graph breaks. `format_table` lays out any rows in
 left-aligned columns.
@@ -141,11 +142,19 @@ def _advice(graph_break: GraphBreakReport) -> tuple[str, ...]:
 
 
 def _separated_by_break(rejected: RejectedReport, report: GraphReport) -> str:
-    """For a block ready only when its graph's forward ends, the graph break that ends it."""
-    if rejected.reason != "last_block" or report.graph_break is None:
+    """For a component left in the backward of a graph that ends at a graph break, the
+    break: it ends a block ready only when the forward ends, or it separates a component
+    from the loss its gradient comes from, computed after it."""
+    if report.graph_break is None:
         return ""
-    return (f"; the graph break at {report.graph_break.where} (below) separates it from "
-            "what follows")
+    where = report.graph_break.where
+    if rejected.reason == "last_block":
+        return f"; the graph break at {where} (below) separates it from what follows"
+    if rejected.reason == "not_scalar_tangent":
+        return (f"; its gradient comes from after the graph break at {where} (below): a "
+                "block runs early with its loss in its own graph, so compute the loss "
+                "before the break")
+    return ""
 
 
 #: What the table's columns mean, printed under each graph's table.

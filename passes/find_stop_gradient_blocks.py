@@ -496,7 +496,9 @@ def _judge_components(
     A part split at sums runs early only with at least ``min_part_share`` of
     the backward's estimated FLOPs (``backward_flops``). With ``graph_end``, a
     component ready only when the forward ends runs early there, unless its
-    loss terms meet in sums (then its parts are judged as before).
+    loss terms meet in sums (then its parts are judged as before); one that
+    would not run there either is rejected for what keeps it (no loss, say),
+    not for being last.
     """
 
     def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
@@ -522,10 +524,13 @@ def _judge_components(
             early.append(pieces or comp)
             continue
         cut = facts.cut(comp)
-        if (graph_end and reason is RejectReason.LAST_BLOCK and cut is None
-                and judge_at_end(comp)[0] is None):
-            early.append(comp)
-            continue
+        if graph_end and reason is RejectReason.LAST_BLOCK and cut is None:
+            at_end = judge_at_end(comp)
+            if at_end[0] is None:
+                early.append(comp)
+                continue
+            # NB: at the graph's end it would stay all the same: say what keeps it there
+            reason, detail, node = at_end
         if cut is None:
             rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp)))
             continue

@@ -51,6 +51,22 @@ class MaskedRows(TwoLocalBlocks):
         return loss1 + F.cross_entropy(self.head2(self.b2(h)), labels)
 
 
+class LossAfterBreak(TwoLocalBlocks):
+    """The first block's loss is computed after a ``.item()`` of its activations: the block
+    and its loss land in two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[float] = []
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.b1(x)
+        self.logged.append(h.detach().norm().item())  # NORM_LINE
+        loss1 = F.cross_entropy(self.head1(h), labels)
+        h = self.b2(h.detach())
+        return loss1 + F.cross_entropy(self.head2(h), labels)
+
+
 class PassGradient(torch.autograd.Function):
     """Identity with a hand-written backward."""
 

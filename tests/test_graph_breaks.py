@@ -17,6 +17,7 @@ import erase_fx
 from break_models import (
     FunctionInstance,
     ItemLogged,
+    LossAfterBreak,
     MaskedRows,
     PassGradient,
     function_instance_factory,
@@ -65,6 +66,17 @@ def test_the_text_says_where_each_graph_ends_and_which_graph_follows():
             f"graph break at {os.path.relpath(BREAK_MODELS)}:{line} (below) separates it from "
             "what follows") in flat
     assert f"graph {second} ends" not in flat
+
+
+def test_a_block_whose_loss_is_computed_after_a_break_is_told_to_compute_it_before():
+    first, second = erase_fx.explain(LossAfterBreak(), *inputs())
+    # not "last_block": at its graph's end it would stay all the same, for want of a loss
+    assert [r.reason for r in first.rejected] == ["not_scalar_tangent"] and not first.blocks
+    assert first.graph_break.line == line_of(LossAfterBreak, "NORM_LINE")
+    where = first.graph_break.where
+    text = " ".join(format_reports([first, second]).split())
+    assert (f"its gradient comes from after the graph break at {where} (below): a block runs "
+            "early with its loss in its own graph, so compute the loss before the break") in text
 
 
 def test_a_data_dependent_op_between_blocks_is_named_with_dynamos_hint():
