@@ -267,6 +267,11 @@
 #                                      busy share of a step) of reduce-overhead and erase+graphs
 #                                      on mlp:128:2000:2000:4, gpt:16:384:256:8 and
 #                                      tv-resnet18-dgl:256:32 (~8 min)
+#   bash bench/device_run.sh dropin-b  a single graph's last block at its forward's end
+#                                      (erase+graphs/graph-end: Tuning.graph_end_at_return) against
+#                                      the default and reduce-overhead, then erase+step/graph-end
+#                                      against erase+step and inductor+step, on mlp:128, gpt:16 and
+#                                      DGL ResNet-18 (~9 min, not yet run)
 #   bash bench/device_run.sh patterns-prof  why erase+step is slower than inductor+step on two user
 #                                      patterns (patterns-a, 2026-12-05: vgg_local_loss 1.35x,
 #                                      data_dependent_between 2.16x, uncaptured): bench.overhead's
@@ -329,7 +334,7 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
-  patterns-a|patterns-b|dropin-a|patterns-prof) ;;
+  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof) ;;
   plan-a|plan-b|plan-c|plan-d) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
@@ -900,6 +905,10 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
   frameworks-b)
     timeout 570 python3 -m bench.frameworks --budget-s 450 --configs ctr:1024:512:1024:6 2>&1 \
       | grep -v '^erase_fx: graph' ;;
+  dropin-b)
+    run dropin-b mlp:128:2000:2000:4,gpt:16:384:256:8,tv-resnet18-dgl:256:32 \
+      reduce-overhead,erase+graphs,erase+graphs/graph-end,inductor+step,erase+step,erase+step/graph-end \
+      --sweep-configs '' --trials 5 || true ;;
   patterns-prof)
     for config in pattern-vgg_local_loss:256:64:4 pattern-data_dependent_between:1024:2048:4; do
       timeout 170 python3 -m bench.overhead --config "$config" --top 25 --steps 50 \

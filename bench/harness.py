@@ -60,6 +60,9 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/stock-fusion`` (``keep_inplace_writes=False``: side-stream
   segments fused as Inductor chooses: what keeping large in-place writes
   possible saves in memory or costs in time),
+  ``/graph-end`` (``graph_end_at_return=True``: a single graph's last block
+  at its forward's end too, the backward then only scaling where every
+  block is early),
   several of these one after another (``/streams=2/stages-on-main``: each
   sets its own options; two that set the same option are an error),
   ``/aot_eager``
@@ -118,6 +121,7 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "no-recompute": {"tuning": {"recompute_boundary_values": False}},
     "all-parts": {"tuning": {"min_part_share": 0.0}},
     "stock-fusion": {"tuning": {"keep_inplace_writes": False}},
+    "graph-end": {"tuning": {"graph_end_at_return": True}},
     "aot_eager": {"inner": "aot_eager"},
 }
 #: The numbered controls that set a tuning setting (`erase_fx.config.Tuning`), not an option.

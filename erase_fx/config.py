@@ -159,6 +159,15 @@ class Tuning:
             on its own, so a part beside it that erase_fx cannot prove safe
             is reported (and raises under ``on_error="raise"``) as it is with
             the check off.
+        graph_end_at_return: a graph's last block, ready only when its
+            forward ends, runs there (`erase_fx.emit.graph_end`) also in a
+            graph that ends at the forward's return (``True``), where only
+            the backward follows it; then, when every block of the graph runs
+            early, the backward has nothing left to compute but the scaling.
+            ``False`` (default): only where more of the forward follows the
+            graph (a graph break, a caller's uncompiled forward), as measured
+            so far; in a single graph the last block stays in the backward,
+            as stock does.
     """
 
     partitioner: str = "min_cut"
@@ -169,6 +178,7 @@ class Tuning:
     recompute_boundary_values: bool = True
     keep_inplace_writes: bool = True
     min_part_share: float = 0.05
+    graph_end_at_return: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("partitioner", self.partitioner, PARTITIONERS, _TUNING)
@@ -184,6 +194,8 @@ class Tuning:
                         "True, False or None (default None)")
         for name in ("copy_input_values", "recompute_boundary_values", "keep_inplace_writes"):
             _check_type(name, getattr(self, name), bool, _TUNING, "True or False (default True)")
+        _check_type("graph_end_at_return", self.graph_end_at_return, bool, _TUNING,
+                    "True or False (default False)")
         if (isinstance(self.min_part_share, bool)
                 or not isinstance(self.min_part_share, (int, float))
                 or not 0 <= self.min_part_share <= 1):

@@ -73,8 +73,10 @@ class CompileRequest:
         a block or leaves it to the backward, so it needs segments (side streams); under
         DDP the early all-reduce needs every early gradient made in the forward. A graph
         that ends at the forward's return keeps its last block in the backward, as stock
-        does: nothing but the backward would follow it."""
-        return (self.more_forward_follows and self.cfg.streams > 0
+        does (nothing but the backward would follow it), unless
+        ``tuning.graph_end_at_return``."""
+        follows = self.more_forward_follows or self.cfg.tuning.graph_end_at_return
+        return (follows and self.cfg.streams > 0
                 and self.data_parallel is None)
 
 

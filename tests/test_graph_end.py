@@ -3,6 +3,7 @@ stream does not wait for it, and a forward whose backward never comes stops payi
 (`erase_fx.emit.graph_end`)."""
 import copy
 import gc
+import re
 import sys
 
 import pytest
@@ -393,3 +394,32 @@ def test_blocks_compiled_one_by_one_under_activation_checkpointing_equal_eager(p
     # NB: the recompute stops once the compiled forward has saved its tensors, before it
     # returns: no autograd node of it is ever watched, and the program stays armed
     assert programs and programs[0].armed
+
+
+@pytest.mark.parametrize("model", [Chain, OneElementLossChain, LoggedChain],
+                         ids=["chain", "one-element-loss", "logged"])
+def test_graph_end_at_return_runs_a_single_graphs_last_block_at_its_end(model, tmp_path):
+    """With ``tuning.graph_end_at_return`` the last block of a graph that ends at the
+    forward's return runs at the forward's end too: every block early, bitwise as eager, and
+    the backward computes nothing but the scaling (its compiled graph only passes the early
+    gradients on; with logged outputs, their part when they get a gradient)."""
+    options = {"tuning": {"graph_end_at_return": True}, "dump_dir": str(tmp_path)}
+    with collect_reports() as reports:
+        check_parity(model(3), chain_inputs, options=options, rtol=0, atol=0)
+    (report,) = reports
+    assert [b.at_graph_end for b in report.blocks] == [False, False, True]
+    assert report.rejected == () and report.early_share == 1.0
+    if model is LoggedChain:
+        return  # NB: the logged outputs' part runs in the backward when they get a gradient
+    backward = next(tmp_path.rglob("*_defer_grad_scaling.py")).read_text()
+    code = backward.split("def forward", 1)[1].split("# erase_fx node decisions", 1)[0]
+    # the early gradients returned as they are, with the tangent (viewed 0-d: the scale)
+    assert set(re.findall(r"torch\.ops\.([\w.]+)", code)) <= {"aten.view.default"}
+
+
+def test_graph_end_at_return_is_off_by_default_and_validated():
+    assert Tuning().graph_end_at_return is False
+    from erase_fx.errors import EraseOptionError
+
+    with pytest.raises(EraseOptionError, match="graph_end_at_return"):
+        Tuning(graph_end_at_return="yes")
