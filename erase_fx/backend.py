@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 import types
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,7 @@ from erase_fx.compilation import GraphCompilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
 from erase_fx.errors import EraseOptionError
+from erase_fx.graph_breaks import TORCH_ROOT, ends_at_graph_break
 from erase_fx.names import input_names, output_names
 from erase_fx.passes.graph import copy_graph_module
 from erase_fx.plan import CompileRequest
@@ -191,7 +193,7 @@ def called_from_a_forward(frame: types.FrameType | None) -> bool:
     from torch._dynamo.utils import orig_code_map
 
     while frame is not None:
-        if not frame.f_code.co_filename.startswith(_INTERNAL_SOURCES):
+        if not is_internal_source(frame.f_code.co_filename):
             code = frame.f_code
             if code.co_name != "forward" or code.co_argcount == 0 or code in orig_code_map:
                 return False
@@ -202,17 +204,13 @@ def called_from_a_forward(frame: types.FrameType | None) -> bool:
 
 #: the source folders whose frames `called_from_a_forward` looks past: torch's (the module
 #: call, Dynamo), erase_fx's (`erase_fx.explain`), Python's own
-_INTERNAL_SOURCES = (str(Path(torch.__file__).parent), str(Path(__file__).parent), "<frozen")
+_INTERNAL_SOURCES = (TORCH_ROOT, str(Path(__file__).parent) + os.sep, "<frozen")
 
 
-def ends_at_graph_break(gm: fx.GraphModule) -> bool:
-    """Whether Dynamo ended this graph at a graph break (more of the forward follows it).
-
-    NB: Dynamo's ``gm.compile_subgraph_reason`` (a ``GraphCompileReason``, torch
-    2.11-2.14), the record ``torch._dynamo.explain`` reads; a graph without it (not made
-    by Dynamo) counts as ending at its return.
-    """
-    return bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
+def is_internal_source(filename: str) -> bool:
+    """Whether ``filename`` is torch's, erase_fx's or Python's own (not torchvision's, say:
+    each folder is matched with its separator)."""
+    return filename.startswith(_INTERNAL_SOURCES)
 
 
 def stock_backend(inner: str) -> Any:

@@ -37,12 +37,22 @@ _CONTEXT = "Developer debug context:"
 _DOCUMENTATION = "For more details about this graph break, please visit:"
 
 
+def ends_at_graph_break(gm: Any) -> bool:
+    """Whether Dynamo ended the graph ``gm`` at a graph break (more of the forward follows it).
+
+    NB: Dynamo's ``gm.compile_subgraph_reason`` (a ``GraphCompileReason``, torch
+    2.11-2.14), the record ``torch._dynamo.explain`` reads; a graph without it (not made
+    by Dynamo) counts as ending at its return.
+    """
+    return bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
+
+
 def graph_break_of(gm: Any) -> GraphBreakReport | None:
     """Where and why Dynamo ended the graph ``gm`` at a graph break; None where it ended at
     the function's return, or where Dynamo left no record (a graph not made by Dynamo)."""
-    record = getattr(gm, "compile_subgraph_reason", None)
-    if record is None or not getattr(record, "graph_break", False):
+    if not ends_at_graph_break(gm):
         return None
+    record = gm.compile_subgraph_reason
     reason, explanation, hints, documentation = parse_reason(str(record.reason))
     frame, inside = user_frame(getattr(record, "user_stack", None) or ())
     return GraphBreakReport(

@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 import re
 
-import torch
 import torch.fx as fx
+
+from erase_fx.graph_breaks import TORCH_ROOT
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 _SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
 #: the same attribute reached through ``__dict__`` (a forward that sets ``self.x = ...``)
 _SOURCE_DICT_PART = re.compile(r"\.__dict__\['(_(?:modules|parameters|buffers))'\]\['([^']*)'\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def input_names(gm: fx.GraphModule) -> list[str]:
@@ -68,7 +68,7 @@ def user_line(stack_trace: str) -> str | None:
     found = None
     for i, line in enumerate(lines):
         frame = _FRAME.search(line)
-        if frame is None or os.path.abspath(frame.group(1)).startswith(_TORCH_ROOT):
+        if frame is None or os.path.abspath(frame.group(1)).startswith(TORCH_ROOT):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
         found = f"{os.path.relpath(frame.group(1))}:{frame.group(2)}" + (

@@ -3,6 +3,7 @@ stream does not wait for it, and a forward whose backward never comes stops payi
 (`erase_fx.emit.graph_end`)."""
 import copy
 import gc
+import os
 import re
 import sys
 
@@ -269,6 +270,15 @@ def test_blocks_compiled_one_by_one_under_an_uncompiled_forward_all_run_early(pr
     assert [[b.at_graph_end for b in r.blocks] for r in reports] == [[True]]
     assert all(not r.rejected for r in reports)
     assert programs and all(p.armed for p in programs)
+
+
+def test_only_torchs_own_folder_is_looked_past_not_a_sibling_package():
+    from erase_fx.backend import is_internal_source
+    from erase_fx.graph_breaks import TORCH_ROOT
+
+    assert is_internal_source(TORCH_ROOT + "nn/modules/module.py")
+    sibling = TORCH_ROOT.rstrip(os.sep) + "vision" + os.sep + "models" + os.sep + "resnet.py"
+    assert not is_internal_source(sibling)  # torchvision's forward is a user's forward
 
 
 def test_the_caller_of_a_compiled_frame_is_found_past_torch_and_dynamos_frames():

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from erase_fx.capture_tuning import CaptureTuner
 from erase_fx.early_update import open_session
+from erase_fx.graph_breaks import TORCH_ROOT
 from erase_fx.emit.capture_scope import CaptureChoice, StepScope, Tunables
 from erase_fx.step.arguments import unflatten
 from erase_fx.step.guards import Guards
@@ -225,7 +226,7 @@ def _user_frame(error: BaseException) -> str:
 
     Frames of torch function and dispatch modes count as torch's: they run under the op.
     """
-    skip = (os.path.dirname(torch.__file__) + os.sep, _ERASE_FX_DIR + os.sep)
+    skip = (TORCH_ROOT, _ERASE_FX_DIR + os.sep)
     frames = traceback.extract_tb(error.__traceback__)
     for frame in reversed(frames):
         filename = frame.filename
