@@ -123,15 +123,17 @@ class Prediction:
 
 def predict(programs: list[program_module.StreamProgram]) -> Prediction:
     """The `Prediction` of a config's programs."""
-    plans = [p.memory_plan() for p in programs]
+    # NB: each program planned once per lag and width (a plan's one pool is its costly part)
+    by_setting = [{(lag, width): p.memory_plan(lag, width)
+                   for lag, width in itertools.product(LAGS, WIDTHS)} for p in programs]
+    plans = [settings[None, None] for settings in by_setting]
     inside = [p.memory_plan(temporaries=True) for p in programs]
-    races = sum(len(p.memory_plan(lag, width).races)
-                for p in programs for lag, width in itertools.product(LAGS, WIDTHS))
+    races = sum(len(plan.races) for settings in by_setting for plan in settings.values())
     return Prediction(
         programs=len(programs),
         today=_summed(plan.today for plan in plans),
-        today_lag2=_summed(p.memory_plan(2).today for p in programs),
-        today_folded2=_summed(p.memory_plan(None, 2).today for p in programs),
+        today_lag2=_summed(settings[2, None].today for settings in by_setting),
+        today_folded2=_summed(settings[None, 2].today for settings in by_setting),
         record_stream=_summed(plan.record_stream for plan in plans),
         one_pool=_summed(plan.one_pool for plan in plans),
         inside_today=_summed(plan.today for plan in inside),

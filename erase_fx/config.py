@@ -25,7 +25,9 @@ PARTITIONERS = ("min_cut", "default")
 ON_ERROR = ("fallback", "raise")
 #: The value of ``release_lag`` and ``side_cuda_streams`` that lets `erase_fx.compile_step` choose.
 AUTO = "auto"
-#: The value of ``release_lag`` that leaves the reuse of memory under capture to the allocator.
+#: The value of ``release_lag`` that leaves the reuse of memory under capture to the allocator:
+#: every value dropped after its last reader and marked as used by each stream that read it
+#: (`erase_fx.emit.streams`), with no plan of erase's own.
 RECORD_STREAM = "record_stream"
 
 

@@ -50,8 +50,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-#: The option value that lets `erase_fx.compile_step` choose by timing.
-AUTO = "auto"
+from erase_fx.config import AUTO
 
 
 @dataclasses.dataclass(frozen=True)

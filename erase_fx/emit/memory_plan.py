@@ -122,16 +122,21 @@ def segment_temporaries(gm: fx.GraphModule) -> int:
         for read in (node, *node.all_input_nodes):
             for t in values[read]:
                 last[StorageWeakRef(t.untyped_storage())] = i
+    frees_at: dict[int, list[StorageWeakRef]] = {}
+    for key, i in last.items():
+        frees_at.setdefault(i, []).append(key)
     live: dict[StorageWeakRef, int] = {}
-    peak = 0
+    held = peak = 0
     for i, node in enumerate(nodes):
         for t in values[node]:
             key = StorageWeakRef(t.untyped_storage())
             if key not in outside and key not in live:
                 live[key] = _storage_bytes(t.untyped_storage())
-        peak = max(peak, sum(live.values()))
-        for key in [k for k in live if last[k] <= i]:
-            del live[key]
+                held += live[key]
+        peak = max(peak, held)
+        # NB: a storage's last reader never runs before its maker: freed once, at its last read
+        for key in frees_at.get(i, ()):
+            held -= live.pop(key, 0)
     return peak
 
 

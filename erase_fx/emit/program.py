@@ -55,13 +55,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from erase_fx.emit.capture_scope import AUTO, DEFAULT_CHOICE, CaptureChoice, Tunables, meet
+from erase_fx.config import AUTO, RECORD_STREAM
+from erase_fx.emit.capture_scope import DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
 from erase_fx.emit.inner import Boxed, BoxedCallable
 from erase_fx.emit.memory_plan import (
     MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
 )
-from erase_fx.emit.release import RECORD_STREAM, CapturePlan, StepIO, plan_captured_releases
+from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
 from erase_fx.emit.streams import StreamOps, record_stream_reuse_on
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward

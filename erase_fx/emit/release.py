@@ -55,11 +55,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from erase_fx.config import RECORD_STREAM
 from erase_fx.passes import MAIN_STREAM
-
-#: ``release_lag="record_stream"``: no plan of erase's own; every value dropped after its last
-#: reader and marked as used by each stream that read it (`erase_fx.emit.streams`).
-RECORD_STREAM = "record_stream"
 
 
 @dataclasses.dataclass(frozen=True)
