@@ -75,6 +75,7 @@ from erase_fx.passes.node_meta import (
     NodeMeta,
     Role,
     get_meta,
+    is_early,
     set_meta,
     update_meta,
 )
@@ -129,7 +130,7 @@ def _write_stream(node: fx.Node, ownership: Ownership, cfg: EraseConfig) -> None
     elif node in ownership.stage:
         set_meta(node, NodeMeta(Role.FORWARD, block=block, stream=stream_of_block(block, cfg),
                                 stage=True))
-    elif get_meta(node) is not None and get_meta(node).role is Role.EARLY_BACKWARD:
+    elif is_early(node):
         update_meta(node, stream=stream_of_block(block, cfg))
     else:
         set_meta(node, NodeMeta(Role.FORWARD, block=block, stream=stream_of_block(block, cfg)))

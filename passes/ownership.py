@@ -369,12 +369,13 @@ def _input_values(nodes: list[fx.Node], owner: Owners, from_inputs: set[fx.Node]
         moved = {**owner, **{member: None for member in chain}}
         # NB: the block reads the members it read (not those only the chain and main nodes
         # read: `copy_input_values_per_block` makes the value right before its main reader)
+        launch_after = timeline.launch_points(moved)
         if _waits_for_matrix_work(main_matrix_work, launch_point.get(block, -1),
-                                  timeline.launch_points(moved).get(block, -1)):
+                                  launch_after.get(block, -1)):
             continue
         owner = moved
         on_main.update((member, None) for member in chain)
-        launch_point = timeline.launch_points(owner)  # NB: the block reads them now
+        launch_point = launch_after  # NB: the block reads them now
     return on_main
 
 

@@ -147,8 +147,10 @@ class GraphEndBackward(Boxed):
         pending, self.graph_end.pending = self.graph_end.pending, []
         if pending:
             self.wait(pending)
-        stash = next((s for s in (self.graph_end.stashed(args[i]) for i, _ in self.gradients)
-                      if s is not None), None)
+        # NB: only a disarmed program stashes (and it never arms again)
+        stash = None if self.graph_end.armed else next(
+            (s for s in (self.graph_end.stashed(args[i]) for i, _ in self.gradients)
+             if s is not None), None)
         if stash is not None:
             values = self.run_stashed(stash)
             for position, result in self.gradients:
