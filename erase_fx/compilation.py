@@ -508,7 +508,9 @@ class GraphCompilation:
         loss get a gradient (`erase_fx.emit.live_tangents`), and those its blocks at the
         graph's end are waited for through (`erase_fx.emit.graph_end`)."""
         self.backward_guard.guard(outputs)
-        if self.has_early_blocks and self.joint.live_tangents is not None:
+        # NB: only a graph with early blocks is watched (`erase_fx.backend`), and after its
+        # compile only fallbacks that keep them can come
+        if self.joint.live_tangents is not None:
             self.joint.live_tangents.watch(outputs)
         if self.forward is not None and self.forward.graph_end is not None:
             self.forward.graph_end.watch(outputs)

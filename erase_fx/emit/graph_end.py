@@ -32,6 +32,7 @@ memory out again only once the streams that read them are done.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -103,9 +104,7 @@ class GraphEnd:
             self.disarm("the graph returns nothing to differentiate: no backward can come")
             return
         came = [False]
-        # NB: untraced when a backward runs inside a compiled frame (as `BackwardGuard`'s hook)
-        node.register_prehook(torch._dynamo.disable(
-            lambda grad_outputs: came.__setitem__(0, True)))
+        node.register_prehook(functools.partial(_backward_came, came))
         weakref.finalize(node, self._freed, came)
 
     def _freed(self, came: list[bool]) -> None:
@@ -121,6 +120,13 @@ class GraphEnd:
         self.disarmed_reason = reason
         log.info("erase_fx %s: the blocks at the graph's end run in the backward from now on: "
                  "%s", self.name, reason)
+
+
+@torch._dynamo.disable
+def _backward_came(came: list[bool], grad_outputs: Any) -> None:
+    """A watched forward's pre-hook: its backward came. NB: untraced when a backward runs
+    inside a compiled frame (as `BackwardGuard`'s hook), and wrapped once, not per forward."""
+    came[0] = True
 
 
 class GraphEndBackward(Boxed):

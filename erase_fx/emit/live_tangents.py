@@ -25,6 +25,7 @@ call, the whole backward runs: exact either way.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,9 @@ class LiveTangents:
         # NB: autograd runs a node's pre-hooks and then the node on one thread; several
         # backwards of one graph may run at once on different threads (one per device).
         self._seen = threading.local()
+        # NB: untraced when a backward runs inside a compiled frame (as `BackwardGuard`'s
+        # hook); wrapped once, each forward's hook is this with its positions bound
+        self._record = torch._dynamo.disable(self._record_live)
 
     def watch(self, outputs: Any) -> None:
         """Hook the autograd node of one forward's ``outputs`` (the compiled graph's)."""
@@ -75,13 +79,10 @@ class LiveTangents:
         if any(v.grad_fn is not node for v in watched):
             return
         positions = tuple(v.output_nr for v in watched)
-        seen = self._seen
+        node.register_prehook(functools.partial(self._record, positions))
 
-        def record(grad_outputs: Sequence[Any]) -> None:
-            seen.live = any(grad_outputs[p] is not None for p in positions)
-
-        # NB: untraced when a backward runs inside a compiled frame (as `BackwardGuard`'s hook)
-        node.register_prehook(torch._dynamo.disable(record))
+    def _record_live(self, positions: tuple[int, ...], grad_outputs: Sequence[Any]) -> None:
+        self._seen.live = any(grad_outputs[p] is not None for p in positions)
 
     def take(self) -> bool | None:
         """What the pre-hook saw for the node about to run on this thread (True: some
