@@ -277,6 +277,11 @@
 #                                      data_dependent_between 2.16x, uncaptured): bench.overhead's
 #                                      CPU profile and torch.profiler tables of both variants
 #                                      (~6 min, not yet run)
+#   bash bench/device_run.sh launch-a  the host time of one CUDA graph replay by the graph's shape
+#                                      (bench.graph_launch: one chain, one chain over two streams,
+#                                      2 and 4 parallel branches; why erase's replays cost 85-265
+#                                      µs against reduce-overhead's 20), then patterns-prof
+#                                      (~7 min, not yet run)
 #   bash bench/device_run.sh patterns-a  issue 36's user patterns (bench.user_patterns: Forward-
 #                                      Forward nets, a local-loss VGG, forward hooks, a tensor
 #                                      kept on the module, a data-dependent op between blocks, a
@@ -334,7 +339,7 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
-  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof) ;;
+  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof|launch-a) ;;
   plan-a|plan-b|plan-c|plan-d) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
@@ -909,6 +914,9 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
     run dropin-b mlp:128:2000:2000:4,gpt:16:384:256:8,tv-resnet18-dgl:256:32 \
       reduce-overhead,erase+graphs,erase+graphs/graph-end,inductor+step,erase+step,erase+step/graph-end \
       --sweep-configs '' --trials 5 || true ;;
+  launch-a)
+    timeout 120 python3 -m bench.graph_launch --replays 200 || true
+    bash "$0" patterns-prof ;;
   patterns-prof)
     for config in pattern-vgg_local_loss:256:64:4 pattern-data_dependent_between:1024:2048:4; do
       timeout 170 python3 -m bench.overhead --config "$config" --top 25 --steps 50 \
