@@ -56,7 +56,13 @@ from erase_fx.emit.inductor_segments import (
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.graph_end import GraphEndBackward
-from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, output_indices
+from erase_fx.emit.live_tangents import (
+    LiveTangents,
+    SelectedBackward,
+    WatchedLoss,
+    output_index,
+    output_indices,
+)
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
 from erase_fx.guards import BackwardGuard
@@ -233,7 +239,7 @@ class GraphCompilation:
         if self.dump is not None:
             self.runner.record("bwd", bw)
         lean = None
-        if self.has_early_blocks and self.joint.live_tangents is not None:
+        if self.has_early_blocks and self.joint.unused_tangents:
             lean = self._unless_it_fails(
                 "the whole backward runs when the outputs besides the loss get no gradient",
                 lambda: self._compile_backward_passes(
@@ -301,11 +307,15 @@ class GraphCompilation:
         report's nodes are, and the outputs whose gradients decide which backward runs."""
         where = Whereabouts.of(found.artifact, found.gm, self.request.output_names)
         self._handle_unsupported(found.artifact)
-        other = sorted({t for b in found.artifact.blocks for t in b.other_tangents})
+        blocks = found.artifact.blocks
+        other = sorted({t for b in blocks for t in b.other_tangents})
         watched = output_indices(found.gm, other) if other else None
-        if watched is None:
+        losses = [WatchedLoss(index, b.id, where.output(b.tangent)) for b in blocks
+                  if (index := output_index(found.gm, b.tangent)) is not None]
+        if watched is None and not losses:
             return FoundBlocks(found.artifact, where)
-        return FoundBlocks(found.artifact, where, tuple(other), LiveTangents(watched))
+        live = LiveTangents(watched or (), losses, graph=f"graph {self.graph_id}")
+        return FoundBlocks(found.artifact, where, tuple(other) if watched else (), live)
 
     def _compile_segments(
         self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any],

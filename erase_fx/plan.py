@@ -91,7 +91,8 @@ class FoundBlocks:
         unused_tangents: the tangents early blocks read besides their loss's, when the
             outputs they are the gradients of can be watched: a backward without them runs
             when none gets a gradient (`erase_fx.emit.live_tangents`) ...
-        live_tangents: ... and what watches those outputs, or None.
+        live_tangents: ... and what watches those outputs and the blocks' losses (a
+            warning where a loss gets no gradient), or None where there is neither.
     """
 
     analysis: BlockAnalysis
@@ -132,14 +133,14 @@ class JointPlan:
 
     @property
     def live_tangents(self) -> LiveTangents | None:
-        """What watches the outputs besides the loss that early blocks read the gradients
-        of, where the partition scheduled such blocks; else None."""
+        """What watches the early blocks' losses and the outputs besides them that the
+        blocks read the gradients of, where the partition scheduled blocks; else None."""
         return self.found.live_tangents if self.early_blocks and self.found else None
 
     @property
     def unused_tangents(self) -> tuple[str, ...]:
         """The tangents the backward without those outputs' gradients takes as zero."""
-        return self.found.unused_tangents if self.live_tangents is not None else ()
+        return self.found.unused_tangents if self.early_blocks and self.found else ()
 
 
 class EarlyHook(Protocol):

@@ -158,9 +158,10 @@ class Whereabouts:
     Attributes:
         origins: each ready point and rejected node, by name: where in the model it is
             (`node_origin`).
-        outputs: each tangent a block or a rejected component reads, by name: the output
-            it is the gradient of, named with where the user's code makes it
-            (`erase_fx.names.output_names`), where AOT's descriptor says which.
+        outputs: each tangent a block (its loss's, and the others it reads) or a rejected
+            component reads, by name: the output it is the gradient of, named with where the
+            user's code makes it (`erase_fx.names.output_names`), where AOT's descriptor
+            says which.
     """
 
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -171,7 +172,7 @@ class Whereabouts:
            output_names: Sequence[str] = ()) -> Whereabouts:
         by_name = {node.name: node for node in joint.graph.nodes}
         named = [ready_point(b) for b in analysis.blocks] + [r.node for r in analysis.rejected]
-        tangents = ([t for b in analysis.blocks for t in b.other_tangents]
+        tangents = ([t for b in analysis.blocks for t in (b.tangent, *b.other_tangents)]
                     + [t for r in analysis.rejected for t in r.component.tangents])
         outputs = {}
         for tangent in tangents:

@@ -293,3 +293,75 @@ def test_a_block_that_reads_no_loss_names_the_outputs_it_reads():
     for row in rejected:
         assert "the outputs it reads the gradients of: local, made at" in row.detail
         assert "local = self.heads[0](h)" in row.detail
+
+
+# -- losses that get no gradient --------------------------------------------------------
+
+
+class NormKept(Chain):
+    """Stage 0's only use besides the next stage is a one-element value kept with grad for
+    logging (``self.norm = h.pow(2).mean()``): erase takes it for stage 0's loss."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.stages[0](x)
+        self.norm = h.pow(2).mean()
+        h = h.detach()
+        loss = x.new_zeros(())
+        for stage, head in zip(self.stages[1:], self.heads[1:]):
+            h = stage(h)
+            loss = loss + F.cross_entropy(head(h), labels)
+            h = h.detach()
+        return loss
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == live_tangents.log.name and r.levelname == "WARNING"]
+
+
+def test_a_loss_that_gets_no_gradient_is_named_once_with_the_fix(caplog):
+    (report,) = erase_fx.explain(NormKept(3), *chain_inputs())
+    assert len(report.blocks) == 2  # stage 0 (seeded at the norm) and stage 1
+    # NB: against stock aot_eager: stage 0 gets zeros from a compiled graph, None in eager
+    stock = NormKept(3)
+    erased = copy.deepcopy(stock)
+    runs = [(stock, torch.compile(stock, backend="aot_eager")),
+            (erased, torch.compile(erased, backend="erase",
+                                   options={"inner": "aot_eager", "on_error": "raise"}))]
+    with caplog.at_level("WARNING", logger="erase_fx.emit.live_tangents"):
+        for _ in range(3):
+            inputs = chain_inputs()
+            for module, run in runs:
+                module.zero_grad(set_to_none=True)
+                run(*inputs).backward()
+            assert_same_grads(stock, erased, rtol=0, atol=0)
+    (warning,) = _warnings(caplog)
+    assert "got no gradient at this backward" in warning and "block 0" in warning
+    assert "self.norm = h.pow(2).mean()" in warning and "h.detach().norm()" in warning
+
+
+def test_losses_that_get_their_gradient_warn_nothing(caplog):
+    eager = NormKept(3)
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    with caplog.at_level("WARNING", logger="erase_fx.emit.live_tangents"):
+        for _ in range(2):
+            inputs = chain_inputs()
+            for module, run in ((eager, eager), (erased, compiled)):
+                module.zero_grad(set_to_none=True)
+                (run(*inputs) + 0.1 * module.norm).backward()
+            assert_same_grads(eager, erased)
+        check_parity(LoggedChain(3), chain_inputs, steps=2, rtol=0, atol=0)
+    assert not _warnings(caplog)
+
+
+def test_local_losses_beside_a_total_not_differentiated_are_named(caplog):
+    model = LossAndLocalLosses(3)
+    compiled = torch.compile(model, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    with caplog.at_level("WARNING", logger="erase_fx.emit.live_tangents"):
+        _, local_losses = compiled(*chain_inputs())
+        local_losses[0].backward()
+    (warning,) = _warnings(caplog)
+    assert "block 0, block 1" in warning and "sum(locals_)" in warning

@@ -14,6 +14,14 @@ when it calls the node). `LiveTangents.watch` registers that pre-hook on each
 forward's outputs; `SelectedBackward` reads what it saw and runs the
 specialized backward or the whole one. Nothing reads the device.
 
+The same pre-hook watches each early block's loss (`WatchedLoss`): a loss
+that gets no gradient (a one-element value kept with grad only to be logged,
+``self.norm = h.norm()``, or local losses returned beside a total that is not
+the one differentiated) had its block's backward run in the forward for
+nothing. The gradients stay exact (that work is scaled by the zero
+gradient), but the time is lost at every such step; a warning says so once
+per graph, with the loss named where the user's code makes it and the fix.
+
 NB: torch internals relied on (tests/test_tangent_split.py fails if one stops
 holding: it checks that the specialized backward runs): every output of one
 compiled graph has AOTAutograd's node as its ``grad_fn`` (AOTAutograd
@@ -25,7 +33,9 @@ call, the whole backward runs: exact either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,32 +45,62 @@ import torch.fx as fx
 
 from erase_fx.emit.inner import Boxed
 
+log = logging.getLogger(__name__)
 
-def output_indices(joint: fx.GraphModule, tangents: Sequence[str]) -> tuple[int, ...] | None:
-    """The compiled graph's output index of each of ``tangents`` (joint-graph placeholder
-    names), from AOTAutograd's descriptors; None unless each is a plain user output's."""
+
+def output_index(joint: fx.GraphModule, tangent: str) -> int | None:
+    """The compiled graph's output index ``tangent`` (a joint-graph placeholder name) is the
+    gradient of, from AOTAutograd's descriptor; None unless it is a plain user output's."""
     from torch._functorch._aot_autograd.descriptors import PlainAOTOutput
 
-    found = {}
     for node in joint.graph.find_nodes(op="placeholder"):
-        output = getattr(node.meta.get("desc"), "output", None)
-        if node.name in tangents and isinstance(output, PlainAOTOutput):
-            found[node.name] = output.idx
-    if len(found) != len(set(tangents)):
+        if node.name == tangent:
+            output = getattr(node.meta.get("desc"), "output", None)
+            return output.idx if isinstance(output, PlainAOTOutput) else None
+    return None
+
+
+def output_indices(joint: fx.GraphModule, tangents: Sequence[str]) -> tuple[int, ...] | None:
+    """`output_index` of each of ``tangents``, sorted; None unless each has one."""
+    found = {output_index(joint, t) for t in tangents}
+    if None in found or len(found) != len(set(tangents)):
         return None
-    return tuple(sorted(found.values()))
+    return tuple(sorted(found))
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchedLoss:
+    """An early block's loss, an output of the compiled graph.
+
+    Attributes:
+        output: its index among the compiled graph's outputs.
+        block: the block's id.
+        name: the output, named with where the user's code makes it.
+    """
+
+    output: int
+    block: int
+    name: str
 
 
 class LiveTangents:
-    """Whether any watched output of the running backward's forward got a gradient.
+    """Whether any watched output of the running backward's forward got a gradient, and
+    whether the early blocks' losses did (a warning, once, where one did not).
 
     Attributes:
         outputs: the indices, among the compiled graph's outputs, of the watched
             outputs (those whose gradients the specialized backward takes as zero).
+        losses: the early blocks' losses watched until one is found without a gradient.
+        graph: the graph's name, for the warning.
     """
 
-    def __init__(self, outputs: Sequence[int]):
+    def __init__(self, outputs: Sequence[int], losses: Sequence[WatchedLoss] = (),
+                 graph: str = "graph"):
         self.outputs = tuple(outputs)
+        self.losses = tuple(losses)
+        self.graph = graph
+        #: the losses the warning named (set once, on the autograd engine's thread)
+        self.unused_losses: tuple[WatchedLoss, ...] = ()
         # NB: autograd runs a node's pre-hooks and then the node on one thread; several
         # backwards of one graph may run at once on different threads (one per device).
         self._seen = threading.local()
@@ -71,18 +111,37 @@ class LiveTangents:
     def watch(self, outputs: Any) -> None:
         """Hook the autograd node of one forward's ``outputs`` (the compiled graph's)."""
         values = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
-        watched = [values[i] for i in self.outputs if i < len(values)]
-        if len(watched) != len(self.outputs) or not all(
-                isinstance(v, torch.Tensor) and v.grad_fn is not None for v in watched):
+        losses = () if self.unused_losses else self.losses
+        indices = self.outputs + tuple(loss.output for loss in losses)
+        if not indices or max(indices) >= len(values):
+            return
+        watched = [values[i] for i in indices]
+        if not all(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in watched):
             return
         node = watched[0].grad_fn
         if any(v.grad_fn is not node for v in watched):
             return
         positions = tuple(v.output_nr for v in watched)
-        node.register_prehook(functools.partial(self._record, positions))
+        split = len(self.outputs)
+        node.register_prehook(functools.partial(
+            self._record, positions[:split], tuple(zip(losses, positions[split:]))))
 
-    def _record_live(self, positions: tuple[int, ...], grad_outputs: Sequence[Any]) -> None:
-        self._seen.live = any(grad_outputs[p] is not None for p in positions)
+    def _record_live(self, positions: tuple[int, ...],
+                     losses: tuple[tuple[WatchedLoss, int], ...],
+                     grad_outputs: Sequence[Any]) -> None:
+        if positions:
+            self._seen.live = any(grad_outputs[p] is not None for p in positions)
+        unused = tuple(loss for loss, p in losses if grad_outputs[p] is None)
+        if unused and not self.unused_losses:
+            self.unused_losses = unused
+            log.warning(
+                "erase_fx %s: %s got no gradient at this backward, so the early backward of "
+                "%s ran in the forward for nothing (the gradients are exact: that work is "
+                "scaled by zero). If such a value is only logged, compute it from a detached "
+                "tensor (h.detach().norm()) or under torch.no_grad(); a loss differentiated "
+                "only at some steps costs this at the others.",
+                self.graph, "; ".join(loss.name for loss in unused),
+                ", ".join(f"block {loss.block}" for loss in unused))
 
     def take(self) -> bool | None:
         """What the pre-hook saw for the node about to run on this thread (True: some
