@@ -277,6 +277,11 @@
 #                                      data_dependent_between 2.16x, uncaptured): bench.overhead's
 #                                      CPU profile and torch.profiler tables of both variants
 #                                      (~6 min, not yet run)
+#   bash bench/device_run.sh dropin-c  the CPU ops each drop-in step calls outside its graphs, by input
+#                                      shapes (bench.overhead --shapes: which tensors are
+#                                      detached, copied, allocated), reduce-overhead against
+#                                      erase+graphs on DGL ResNet-18 and mlp:128 (~5 min, not yet
+#                                      run)
 #   bash bench/device_run.sh launch-a  the host time of one CUDA graph replay by the graph's shape
 #                                      (bench.graph_launch: one chain, one chain over two streams,
 #                                      2 and 4 parallel branches; why erase's replays cost 85-265
@@ -339,7 +344,7 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
-  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof|launch-a) ;;
+  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof|launch-a|dropin-c) ;;
   plan-a|plan-b|plan-c|plan-d) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
@@ -914,6 +919,11 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
     run dropin-b mlp:128:2000:2000:4,gpt:16:384:256:8,tv-resnet18-dgl:256:32 \
       reduce-overhead,erase+graphs,erase+graphs/graph-end,inductor+step,erase+step,erase+step/graph-end \
       --sweep-configs '' --trials 5 || true ;;
+  dropin-c)
+    for config in tv-resnet18-dgl:256:32 mlp:128:2000:2000:4; do
+      timeout 150 python3 -m bench.overhead --config "$config" --top 40 --steps 50 --shapes \
+        --variants reduce-overhead,erase+graphs 2>&1 | grep -v '^erase_fx: graph' || true
+    done ;;
   launch-a)
     timeout 120 python3 -m bench.graph_launch --replays 200 || true
     bash "$0" patterns-prof ;;

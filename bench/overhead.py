@@ -27,7 +27,7 @@ from bench.tables import RESULTS, this_run, update_sections
 
 
 def profile_variant(cfg, name: str, steps: int, top: int,
-                    trace_dir: str | None = None) -> str:
+                    trace_dir: str | None = None, shapes: bool = False) -> str:
     """Profile one variant's step; what it prints, as one text (the CPU time per step first)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
@@ -57,6 +57,26 @@ def profile_variant(cfg, name: str, steps: int, top: int,
     if trace_dir:
         text += trace_steps(
             step, f"{trace_dir}/{name.replace('+', '_').replace('/', '_')}.json", top)
+    if shapes:
+        text += ops_by_shape(step, top)
+    return text
+
+
+def ops_by_shape(step, top: int, steps: int = 10) -> str:
+    """The CPU ops a step calls (those outside its CUDA graphs' replays), by input shapes and
+    by count: which tensors a variant detaches, copies or allocates each step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages(group_by_input_shape=True)
+    text = (f"torch.profiler over {steps} steps, CPU ops by input shapes, most called first:\n"
+            f"{averages.table(sort_by='count', row_limit=top)}\n")
+    text = textwrap.indent(text, "  ")
+    print(text)
     return text
 
 
@@ -100,13 +120,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--trace-dir", help="also run torch.profiler and write Chrome traces here")
+    parser.add_argument("--shapes", action="store_true",
+                        help="also list the CPU ops each step calls by input shapes")
     parser.add_argument("--out", default=str(RESULTS / "overhead.md"),
                         help="the sections file to update ('' for none)")
     args = parser.parse_args(argv)
     cfg = parse_config(args.config)
     run, sections = this_run("bench.overhead", argv), []
     for name in args.variants.split(","):
-        text = profile_variant(cfg, name, args.steps, args.top, args.trace_dir)
+        text = profile_variant(cfg, name, args.steps, args.top, args.trace_dir, args.shapes)
         sections.append((f"{cfg} {name}", f"```\n{text.rstrip()}\n```"))
         if args.out:
             update_sections(Path(args.out), title=TITLE, intro=INTRO, sections=sections, run=run)
