@@ -206,6 +206,16 @@ class AutomaticStep(CapturableWholeStep):
         return None
 
 
+def test_bad_options_raise_when_the_step_is_defined():
+    from erase_fx.errors import EraseOptionError
+
+    with pytest.raises(EraseOptionError, match="warmup=0"):
+        compile_manual_step(warmup=0)(lambda self, x: x)
+    with pytest.raises(TypeError, match="max_capture"):
+        compile_manual_step(max_capture=3)(lambda self, x: x)
+    compile_manual_step(warmup=3, early_optimizer=True)(lambda self, x: x)
+
+
 def test_misuses_raise_naming_the_fix(fake_cuda):
     with pytest.raises(StepCaptureError, match="StrictHookedStep.on_after_backward"):
         fit(seeded(StrictHookedStep), 1)

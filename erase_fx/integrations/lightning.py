@@ -64,6 +64,7 @@ import torch
 from erase_fx.step import arguments as step_arguments
 from erase_fx.errors import EraseError, StepCaptureError
 from erase_fx.step import CompiledStep
+from erase_fx.step.compiled import check_options
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def compile_manual_step(fn: Callable[..., Any] | None = None, **options: Any) ->
     """
     if fn is None:
         return functools.partial(compile_manual_step, **options)
-    CompiledStep(fn, **options)  # NB: checks the options now, at class definition
+    check_options(**options)  # NB: now, at class definition
     return _PerModule(fn, options)
 
 

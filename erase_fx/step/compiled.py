@@ -10,6 +10,7 @@ and capturing it is `erase_fx.step.capture`'s, the guards
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +85,16 @@ def compile_step(
                                  on_unsupported=on_unsupported, early_optimizer=early_optimizer)
     return CompiledStep(fn, warmup=warmup, max_captures=max_captures,
                         on_unsupported=on_unsupported, early_optimizer=early_optimizer)
+
+
+def check_options(**options: Any) -> None:
+    """Raise for bad ``options`` as ``CompiledStep(fn, **options)`` would (`EraseOptionError`;
+    an unknown name: ``TypeError``), without making a step: the constructor's signature is the
+    one place the options and their defaults are listed."""
+    bound = inspect.signature(CompiledStep.__init__).bind(None, None, **options)
+    bound.apply_defaults()
+    _check_options(**{name: value for name, value in bound.arguments.items()
+                      if name not in ("self", "fn")})
 
 
 def _check_options(warmup: Any, max_captures: Any, on_unsupported: Any,
