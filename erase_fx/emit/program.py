@@ -47,6 +47,7 @@ early. Each caller adds its own hooks; they run in the order they were added.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -142,8 +143,7 @@ class StreamProgram(Boxed):
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | str | None = None,
         side_cuda_streams: int | str | None = None,
-        memory: SlotMemory | None = None,
-        temporaries: tuple[int, ...] | None = None,
+        measure: Callable[[], tuple[SlotMemory, tuple[int, ...]]] | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -153,12 +153,9 @@ class StreamProgram(Boxed):
         self.results = results  # ("slot", i) or ("const", value), per graph output
         self.streams = streams
         self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
-        #: what each slot's value occupies (from the split module's meta; None when built
-        #: without one): what `memory_plan` sizes the buffers by
-        self.memory = memory
-        #: per step, the bytes its segment holds inside at its peak, estimated from its FX
-        #: graph (`segment_temporaries`; None when built without one)
-        self.temporaries = temporaries
+        #: reads `memory` and `temporaries` from the split module, at the first access of
+        #: either (None: built without one); only `memory_plan` reads them
+        self._measure = measure
         slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
         self.side_results = tuple(
             i for i, (kind, slot) in enumerate(results)
@@ -196,6 +193,26 @@ class StreamProgram(Boxed):
             stream: max((k for k, s in enumerate(steps)
                          if s.stream == stream and not s.at_graph_end), default=-1)
             for stream in {steps[k].stream for k in self.graph_end_steps}}
+
+    @functools.cached_property
+    def _measured(self) -> tuple[SlotMemory, tuple[int, ...]] | None:
+        if self._measure is None:
+            return None
+        measured = self._measure()
+        self._measure = None  # NB: lets the split module go
+        return measured
+
+    @property
+    def memory(self) -> SlotMemory | None:
+        """What each slot's value occupies (from the split module's meta, read at the first
+        access; None when built without one): what `memory_plan` sizes the buffers by."""
+        return None if self._measured is None else self._measured[0]
+
+    @property
+    def temporaries(self) -> tuple[int, ...] | None:
+        """Per step, the bytes its segment holds inside at its peak, estimated from its FX
+        graph (`segment_temporaries`, at the first access; None when built without one)."""
+        return None if self._measured is None else self._measured[1]
 
     def capture_plan_for(self, lag: int | None) -> CapturePlan:
         """How a captured run with release lag ``lag`` frees memory (`erase_fx.emit.release`;
@@ -319,12 +336,13 @@ class StreamProgram(Boxed):
                 records_event=k in read_elsewhere,
                 at_graph_end=segment.at_graph_end,
             ))
-        memory = slot_memory(_slot_values(segmented.gm, slot),
-                             [*range(len(placeholders)), *(s for s, _ in constants)])
-        temporaries = tuple(segment_temporaries(getattr(segmented.gm, call.target))
-                            for call in raw_steps)
+        # NB: measured only where a memory plan is asked for (the bench, tests): compiling
+        # pays nothing for it
+        measure = functools.partial(
+            _measure, segmented.gm, slot, (*range(len(placeholders)), *(s for s, _ in constants)),
+            tuple(call.target for call in raw_steps))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag, side_cuda_streams, memory, temporaries)
+                   tuple(constants), release_lag, side_cuda_streams, measure)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -506,6 +524,14 @@ class StreamProgram(Boxed):
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value
+
+
+def _measure(gm: fx.GraphModule, slot: dict[fx.Node, int], external: Sequence[int],
+             segments: Sequence[str]) -> tuple[SlotMemory, tuple[int, ...]]:
+    """What each slot's value occupies (``external``: the inputs' and constants' slots), and
+    the temporaries of each step's segment (``segments``: their names), from the split module."""
+    return (slot_memory(_slot_values(gm, slot), external),
+            tuple(segment_temporaries(getattr(gm, name)) for name in segments))
 
 
 def _slot_values(gm: fx.GraphModule, slot: dict[fx.Node, int]) -> list[Any]:
