@@ -93,6 +93,7 @@ from erase_fx.passes.graph import (
     output_values,
     tangent_outputs,
     topo_positions,
+    upstream_of_seed,
 )
 from erase_fx.passes.linearity import linearity_violation
 from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult
@@ -455,7 +456,7 @@ class Dataflow:
     def linearity_after(self, comp: Component, seed: str) -> tuple[str, str] | None:
         """Why ``comp``'s backward is not linear in the tangents once the loss seed ``seed``
         is given, as ``(node, reason)``; None when it is."""
-        upstream = self.upstream_of_seed(comp, seed)
+        upstream = upstream_of_seed(self.by_name[seed], set(comp.seeds))
         dependent = {self.by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         for name in comp.seeds + comp.nodes:
             if name in upstream:
@@ -468,15 +469,6 @@ class Dataflow:
     def tangents_of(self, node: fx.Node) -> set[fx.Node]:
         """The tangents ``node`` depends on."""
         return {a for a in nx.ancestors(self.edges, node) | {node} if is_tangent(a)}
-
-    def upstream_of_seed(self, comp: Component, seed: str) -> set[str]:
-        """The seeds of ``comp`` that make its loss seed (the seed included): the backward
-        computes them from the tangent as they are; the early copy starts after them."""
-        node = self.by_name[seed]
-        if is_tangent(node):
-            return set()
-        ancestors = nx.ancestors(self.edges, node)
-        return {n for n in comp.seeds if self.by_name[n] in ancestors} | {seed}
 
     def params_of(self, comp: Component) -> tuple[str, ...]:
         return tuple(self.primal_label[i] for i, _ in sorted(comp.grad_outputs))

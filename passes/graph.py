@@ -12,7 +12,7 @@ value (`MIN_BYTES`) is one worth holding on one stream rather than another.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import operator
@@ -42,6 +42,25 @@ def is_primal(node: fx.Node) -> bool:
 
 def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def upstream_of_seed(seed: fx.Node, seeds: Collection[str]) -> set[str]:
+    """The names of the ``seeds`` (a block's, by name) that make its loss seed ``seed``, the
+    seed included; none when ``seed`` is the tangent itself. The backward computes them
+    from the tangent as they are; a block's early copy starts after them.
+
+    NB: a seed reads only tangents, seeds and constants, so every seed it is made from is
+    reached by walking back through seeds alone.
+    """
+    if is_tangent(seed):
+        return set()
+    found, stack = {seed.name}, list(seed.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node.name in seeds and node.name not in found:
+            found.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def is_one_element(value: Any) -> bool:
