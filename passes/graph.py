@@ -31,9 +31,10 @@ aten = torch.ops.aten
 #: block; smaller shared values stay shared (a copy per block would add launches and save
 #: little, and a scalar loss crossing the join holds nothing).
 MIN_BYTES = 1 << 20
-#: The op namespaces whose pure ops may be made again: their ops say when they are impure or
-#: draw random numbers (a custom op or a higher-order op may do either without saying so).
-COPYABLE_NAMESPACES = ("aten", "prims")
+#: The op namespaces whose ops say when they are impure or draw random numbers (a custom op or
+#: a higher-order op may do either without saying so): a pure op of theirs that draws none
+#: may be made again, copied (`is_copyable`) or recomputed (`recompute_boundary_values`).
+EFFECT_DECLARING_NAMESPACES = ("aten", "prims")
 
 
 def is_primal(node: fx.Node) -> bool:
@@ -272,7 +273,7 @@ def is_copyable(node: fx.Node) -> bool:
     random numbers, a getitem, or arithmetic on symbolic sizes."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
+        return (target.namespace in EFFECT_DECLARING_NAMESPACES and not node.is_impure()
                 and not draws_random_numbers(node))
     return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 
