@@ -15,6 +15,7 @@ import re
 import torch.fx as fx
 
 from erase_fx.graph_breaks import TORCH_ROOT
+from erase_fx.report import short_path
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 _SOURCE_LOCAL = re.compile(r"^[LG]\['([^']*)'\]$")
@@ -63,7 +64,8 @@ def _described(node: fx.Node) -> str:
 
 def user_line(stack_trace: str) -> str | None:
     """``file:line: code`` of the innermost frame of a formatted stack trace that is not in
-    torch's own sources (the user's line), or None."""
+    torch's own sources (the user's line), or None; the file as a graph break's
+    (`erase_fx.report.short_path`)."""
     lines = stack_trace.splitlines()
     found = None
     for i, line in enumerate(lines):
@@ -71,6 +73,6 @@ def user_line(stack_trace: str) -> str | None:
         if frame is None or os.path.abspath(frame.group(1)).startswith(TORCH_ROOT):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-        found = f"{os.path.relpath(frame.group(1))}:{frame.group(2)}" + (
+        found = f"{short_path(frame.group(1))}:{frame.group(2)}" + (
             f": {code}" if code else "")
     return found

@@ -79,6 +79,7 @@ import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from typing import NamedTuple
 
 import networkx as nx
 import torch.fx as fx
@@ -92,6 +93,7 @@ from erase_fx.passes.graph import (
     output_values,
     tangent_outputs,
     topo_positions,
+    upstream_of_seed,
 )
 from erase_fx.passes.linearity import linearity_violation
 from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult
@@ -282,10 +284,9 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
                                         ctx.cfg.tuning.min_part_share, graph_end)
-    early.sort(key=facts.order)
+    early.sort(key=lambda judged: facts.order(judged[0]))
     blocks = []
-    for i, comp in enumerate(early):
-        loss, seed = facts.loss_seed(comp)
+    for i, (comp, (loss, seed, _)) in enumerate(early):
         blocks.append(Block(i, comp, loss, facts.params_of(comp),
                             tuple(t for t in comp.tangents if t != loss),
                             at_graph_end=facts.ready_position(comp) >= latest,
@@ -392,10 +393,11 @@ class Dataflow:
         """NB: deterministic order please: by ready point, then by first node."""
         return self.ready_position(comp), self.position[self.by_name[comp.nodes[0]]]
 
-    def loss_seed(self, comp: Component) -> tuple[str, str] | None:
-        """The tangent ``comp``'s early backward is seeded for, and the one-element value
-        it reads that tangent through (``(tangent, seed)``: the tangent itself when it
-        has one element); None when it reads no such value.
+    def loss_seed(self, comp: Component) -> LossSeed | None:
+        """The tangent ``comp``'s early backward is seeded for, the one-element value it
+        reads that tangent through (the tangent itself when it has one element), and why
+        its backward is not linear from there (`LossSeed`); None when it reads no such
+        value.
 
         Of the tangents with such a value, the gradient of the output the forward makes
         last (a loss accumulated as ``total = total + local`` and returned beside
@@ -411,8 +413,11 @@ class Dataflow:
                 found.append((name, seed.name))
         if not found:
             return None
-        return max(found, key=lambda pair: (self.output_position.get(pair[0], -1),
-                                            self.position[self.by_name[pair[0]]]))
+        tangent, seed = max(found, key=lambda pair: (self.output_position.get(pair[0], -1),
+                                                     self.position[self.by_name[pair[0]]]))
+        # NB: an element other than the tangent is only chosen where what follows it is linear
+        nonlinear = self.linearity_after(comp, seed) if seed == tangent else None
+        return LossSeed(tangent, seed, nonlinear)
 
     def _one_element_seed(self, comp: Component, tangent: fx.Node) -> fx.Node | None:
         """A one-element value every path from ``tangent`` into ``comp`` passes through:
@@ -451,7 +456,7 @@ class Dataflow:
     def linearity_after(self, comp: Component, seed: str) -> tuple[str, str] | None:
         """Why ``comp``'s backward is not linear in the tangents once the loss seed ``seed``
         is given, as ``(node, reason)``; None when it is."""
-        upstream = self.upstream_of_seed(comp, seed)
+        upstream = upstream_of_seed(self.by_name[seed], set(comp.seeds))
         dependent = {self.by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         for name in comp.seeds + comp.nodes:
             if name in upstream:
@@ -464,15 +469,6 @@ class Dataflow:
     def tangents_of(self, node: fx.Node) -> set[fx.Node]:
         """The tangents ``node`` depends on."""
         return {a for a in nx.ancestors(self.edges, node) | {node} if is_tangent(a)}
-
-    def upstream_of_seed(self, comp: Component, seed: str) -> set[str]:
-        """The seeds of ``comp`` that make its loss seed (the seed included): the backward
-        computes them from the tangent as they are; the early copy starts after them."""
-        node = self.by_name[seed]
-        if is_tangent(node):
-            return set()
-        ancestors = nx.ancestors(self.edges, node)
-        return {n for n in comp.seeds if self.by_name[n] in ancestors} | {seed}
 
     def params_of(self, comp: Component) -> tuple[str, ...]:
         return tuple(self.primal_label[i] for i, _ in sorted(comp.grad_outputs))
@@ -490,8 +486,9 @@ def _judge_components(
     backward_flops: int,
     min_part_share: float,
     graph_end: bool = False,
-) -> tuple[list[Component], list[Rejected]]:
-    """Each component early (whole, in pieces, or its parts split at sums) or rejected, why.
+) -> tuple[list[tuple[Component, LossSeed]], list[Rejected]]:
+    """Each component early (whole, in pieces, or its parts split at sums), with its loss
+    seed, or rejected, and why.
 
     A part split at sums runs early only with at least ``min_part_share`` of
     the backward's estimated FLOPs (``backward_flops``). With ``graph_end``, a
@@ -501,44 +498,46 @@ def _judge_components(
     not for being last.
     """
 
-    def judge(comp: Component) -> tuple[RejectReason | None, str, str | None]:
+    def judge(comp: Component) -> _Verdict:
         return _reject_reason(comp, facts, latest)
 
-    def judge_at_end(comp: Component) -> tuple[RejectReason | None, str, str | None]:
+    def judge_at_end(comp: Component) -> _Verdict:
         # NB: the ready point judged as if a later one existed: the graph's end
         return _reject_reason(comp, facts, latest + 1)
 
-    def judge_part(part: Component) -> tuple[RejectReason | None, str, str | None]:
+    def judge_part(part: Component) -> _Verdict:
         why = judge(part)
-        if why[0] is None and part.flops < min_part_share * backward_flops:
+        if why.reason is None and part.flops < min_part_share * backward_flops:
             return _small_part_reason(part.flops / backward_flops, min_part_share)
         return why
 
-    early: list[Component] = []
+    early: list[tuple[Component, LossSeed]] = []
     rejected: list[Rejected] = []
     for comp in components:
-        reason, detail, node = judge(comp)
+        verdict = judge(comp)
+        reason, detail, node, loss = verdict
         if reason is None:
             pieces = _in_pieces(comp, facts.cut(comp), facts.by_name, facts.seeds,
                                 facts.position, judge)
-            early.append(pieces or comp)
+            early.append((pieces or comp, loss))  # NB: pieces keep the whole's nodes and seeds
             continue
         cut = facts.cut(comp)
         if graph_end and reason is RejectReason.LAST_BLOCK and cut is None:
             at_end = judge_at_end(comp)
-            if at_end[0] is None:
-                early.append(comp)
+            if at_end.reason is None:
+                early.append((comp, at_end.loss))
                 continue
             # NB: at the graph's end it would stay all the same: say what keeps it there
-            reason, detail, node = at_end
+            reason, detail, node, _ = at_end
         if cut is None:
             rejected.append(Rejected(comp, reason, detail, node, facts.params_of(comp)))
             continue
         judged = [judge_part(part) for part in cut.parts]
         # NB: a part kept back only by the cost check is listed on its own, as the split found it
-        if reason in _SPLIT_REASONS and any(why[0] in (None, RejectReason.SMALL_PART)
+        if reason in _SPLIT_REASONS and any(why.reason in (None, RejectReason.SMALL_PART)
                                             for why in judged):
-            early += [part for part, why in zip(cut.parts, judged) if why[0] is None]
+            early += [(part, why.loss) for part, why in zip(cut.parts, judged)
+                      if why.reason is None]
             rejected += _left_in_backward(cut, judged, facts.params_of)
             continue
         detail += _met_in_sums_text(cut, judged if reason in _SPLIT_REASONS else None)
@@ -606,16 +605,39 @@ def _describe(
     )
 
 
-def _reject_reason(
-    comp: Component,
-    facts: Dataflow,
-    latest: int,
-) -> tuple[RejectReason | None, str, str | None]:
+class LossSeed(NamedTuple):
+    """Where a component's early backward is seeded (`Dataflow.loss_seed`).
+
+    Attributes:
+        tangent: the loss tangent it is seeded for.
+        seed: the one-element value it reads that tangent through: the tangent itself
+            when it has one element.
+        nonlinear: why its backward is not linear in the tangents from ``seed`` on, as
+            ``(node, reason)`` (`Dataflow.linearity_after`); None when it is.
+    """
+
+    tangent: str
+    seed: str
+    nonlinear: tuple[str, str] | None
+
+
+class _Verdict(NamedTuple):
+    """Why a component stays in the backward (``reason`` None: it may run early), the node
+    the reason is about, and the loss seed found on the way (None where not reached)."""
+
+    reason: RejectReason | None
+    detail: str
+    node: str | None
+    loss: LossSeed | None = None
+
+
+def _reject_reason(comp: Component, facts: Dataflow, latest: int) -> _Verdict:
     by_name = facts.by_name
     if not comp.grad_outputs and not comp.partials:
-        return RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input", None
+        return _Verdict(RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input",
+                        None)
     if facts.ready_position(comp) >= latest:
-        return (
+        return _Verdict(
             RejectReason.LAST_BLOCK,
             "its backward is ready only when the forward ends: nothing later to overlap",
             comp.ready_after,
@@ -624,7 +646,7 @@ def _reject_reason(
     if loss is None:
         shapes = ", ".join(f"{name} {tuple(by_name[name].meta['val'].shape)}"
                            for name in comp.tangents)
-        return (
+        return _Verdict(
             RejectReason.NOT_SCALAR_TANGENT,
             f"reads no gradient of a one-element output (a loss), nor an element of one, "
             f"only of larger outputs ({shapes})",
@@ -633,18 +655,17 @@ def _reject_reason(
     for name in comp.seeds + comp.nodes + comp.helpers:
         node = by_name[name]
         if _mutates(node):
-            return RejectReason.MUTATION, f"{node.target} mutates its input", name
-    violation = facts.linearity_after(comp, loss[1])
-    if violation is not None:
-        return RejectReason.NOT_LINEAR, violation[1], violation[0]
-    return None, "", None
+            return _Verdict(RejectReason.MUTATION, f"{node.target} mutates its input", name, loss)
+    if loss.nonlinear is not None:
+        return _Verdict(RejectReason.NOT_LINEAR, loss.nonlinear[1], loss.nonlinear[0], loss)
+    return _Verdict(None, "", None, loss)
 
 
-def _small_part_reason(share: float, min_part_share: float) -> tuple[RejectReason, str, None]:
-    return (RejectReason.SMALL_PART,
-            f"its backward is {share:.1%} of the graph's estimated backward FLOPs, under "
-            f"min_part_share ({min_part_share:.1%}): run early it would win less than the "
-            f"segment boundary it cuts into the forward costs", None)
+def _small_part_reason(share: float, min_part_share: float) -> _Verdict:
+    return _Verdict(RejectReason.SMALL_PART,
+                    f"its backward is {share:.1%} of the graph's estimated backward FLOPs, "
+                    f"under min_part_share ({min_part_share:.1%}): run early it would win "
+                    f"less than the segment boundary it cuts into the forward costs", None)
 
 
 #: Reasons for which a component is split where its loss terms meet: its
@@ -711,7 +732,7 @@ def _in_pieces(
     by_name: dict[str, fx.Node],
     seeds: set[fx.Node],
     position: dict[fx.Node, int],
-    judge: Callable[[Component], tuple[RejectReason | None, str, str | None]],
+    judge: Callable[[Component], _Verdict],
 ) -> Component | None:
     """An early component cut into pieces that launch at their own ready points, or None.
 
@@ -724,7 +745,7 @@ def _in_pieces(
     if cut is None or not cut.parts:
         return None
     parts, rest = list(cut.parts), cut.rest
-    if any(judge(part)[0] is not None for part in parts):
+    if any(judge(part).reason is not None for part in parts):
         return None
     if len({part.ready_after for part in parts}) < 2:
         return None
@@ -744,14 +765,14 @@ def _in_pieces(
 
 def _left_in_backward(
     cut: _Cut,
-    judged: list[tuple[RejectReason | None, str, str | None]],
+    judged: list[_Verdict],
     params_of: Callable[[Component], tuple[str, ...]],
 ) -> list[Rejected]:
     """What of a cut component stays in the backward: the parts that cannot run early
     (each with its reason and its loss term), then the rest (``joins_blocks``)."""
     left = [Rejected(part, reason, f"{detail} ({name}, up to where it meets the other loss "
                      f"terms)", node, params_of(part))
-            for part, name, (reason, detail, node) in zip(cut.parts, cut.part_names, judged)
+            for part, name, (reason, detail, node, _) in zip(cut.parts, cut.part_names, judged)
             if reason is not None]
     left.append(Rejected(cut.rest, RejectReason.JOINS_BLOCKS, _joins_text(cut), None,
                          params_of(cut.rest), cut.meetings))
@@ -769,7 +790,7 @@ def _joins_text(cut: _Cut) -> str:
 
 
 def _met_in_sums_text(
-    cut: _Cut, judged: list[tuple[RejectReason | None, str, str | None]] | None
+    cut: _Cut, judged: list[_Verdict] | None
 ) -> str:
     """A note for a rejected component that several loss terms reach: where they meet,
     and (``judged``: each part's reason) why no part of it can run early."""
@@ -780,7 +801,7 @@ def _met_in_sums_text(
             + "; ".join(m.sentence for m in cut.meetings) + ")")
     if judged is None:
         return text
-    why = [f"{name}: {detail}" for name, (_, detail, _) in zip(cut.part_names, judged)]
+    why = [f"{name}: {why.detail}" for name, why in zip(cut.part_names, judged)]
     why += held_text(cut.split, cut.names)
     return text + ", and no term's part can run early on its own (" + "; ".join(why) + ")"
 

@@ -12,7 +12,7 @@ value (`MIN_BYTES`) is one worth holding on one stream rather than another.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import operator
@@ -31,9 +31,10 @@ aten = torch.ops.aten
 #: block; smaller shared values stay shared (a copy per block would add launches and save
 #: little, and a scalar loss crossing the join holds nothing).
 MIN_BYTES = 1 << 20
-#: The op namespaces whose pure ops may be made again: their ops say when they are impure or
-#: draw random numbers (a custom op or a higher-order op may do either without saying so).
-COPYABLE_NAMESPACES = ("aten", "prims")
+#: The op namespaces whose ops say when they are impure or draw random numbers (a custom op or
+#: a higher-order op may do either without saying so): a pure op of theirs that draws none
+#: may be made again, copied (`is_copyable`) or recomputed (`recompute_boundary_values`).
+EFFECT_DECLARING_NAMESPACES = ("aten", "prims")
 
 
 def is_primal(node: fx.Node) -> bool:
@@ -42,6 +43,25 @@ def is_primal(node: fx.Node) -> bool:
 
 def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def upstream_of_seed(seed: fx.Node, seeds: Collection[str]) -> set[str]:
+    """The names of the ``seeds`` (a block's, by name) that make its loss seed ``seed``, the
+    seed included; none when ``seed`` is the tangent itself. The backward computes them
+    from the tangent as they are; a block's early copy starts after them.
+
+    NB: a seed reads only tangents, seeds and constants, so every seed it is made from is
+    reached by walking back through seeds alone.
+    """
+    if is_tangent(seed):
+        return set()
+    found, stack = {seed.name}, list(seed.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node.name in seeds and node.name not in found:
+            found.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def is_one_element(value: Any) -> bool:
@@ -253,7 +273,7 @@ def is_copyable(node: fx.Node) -> bool:
     random numbers, a getitem, or arithmetic on symbolic sizes."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return (target.namespace in COPYABLE_NAMESPACES and not node.is_impure()
+        return (target.namespace in EFFECT_DECLARING_NAMESPACES and not node.is_impure()
                 and not draws_random_numbers(node))
     return getattr(target, "__module__", None) == operator.__name__  # getitem, SymInt math
 

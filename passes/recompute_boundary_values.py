@@ -60,6 +60,7 @@ from erase_fx.errors import GraphInvariantError
 from erase_fx.passes.assign_streams import check_stream_assignment
 from erase_fx.passes.flops import node_flops
 from erase_fx.passes.graph import (
+    EFFECT_DECLARING_NAMESPACES,
     clone_module,
     draws_random_numbers,
     is_view,
@@ -77,9 +78,6 @@ PASS_NAME = "recompute_boundary_values"
 #: The most nodes one recomputed value brings along into a block's segment (it and the
 #: elementwise ops and views it is made through): a longer chain is read as it is.
 MAX_CHAIN = 32
-#: The op namespaces whose ops may be recomputed: their ops say when they are impure or draw
-#: random numbers (a custom op or a higher-order op may do either without saying so).
-RECOMPUTABLE_NAMESPACES = ("aten", "prims")
 #: Ops with no tensor input that make a constant: recomputed anywhere for free.
 CONSTANT_FACTORIES = frozenset({
     torch.ops.aten.full.default,
@@ -130,7 +128,7 @@ def recomputable(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if (target.namespace not in RECOMPUTABLE_NAMESPACES or node.is_impure()
+    if (target.namespace not in EFFECT_DECLARING_NAMESPACES or node.is_impure()
             or target._schema.is_mutable or draws_random_numbers(node)
             or not isinstance(val_of(node), torch.Tensor) or node_flops(node) != 0):
         return False

@@ -65,6 +65,7 @@ from erase_fx.passes.graph import (
     fake_mode_of,
     is_tangent,
     output_node,
+    upstream_of_seed,
     val_of,
 )
 from erase_fx.passes.node_meta import NodeMeta, Role, get_meta, set_meta
@@ -97,7 +98,7 @@ def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         # NB: the loss seed: the tangent, or the element of it the block reads the loss
         # gradient through; what makes it runs in the backward as it is
         loss = by_name[block.seed_node]
-        upstream = _upstream_of(loss, set(comp.seeds))
+        upstream = upstream_of_seed(loss, set(comp.seeds))
         to_clone = (set(comp.seeds) | set(comp.helpers) | set(comp.nodes)) - upstream
         dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         env = _copy_early(graph, block, by_name, _pieces(comp, by_name, to_clone), dependent,
@@ -189,19 +190,6 @@ def _pieces(comp, by_name: dict[str, fx.Node],
         taken |= members
         pieces.append((ready, members))
     return pieces
-
-
-def _upstream_of(loss: fx.Node, seeds: set[str]) -> set[str]:
-    """The seeds that make the loss seed ``loss`` (it included; none when it is the tangent)."""
-    if is_tangent(loss):
-        return set()
-    found, stack = {loss.name}, list(loss.all_input_nodes)
-    while stack:
-        node = stack.pop()
-        if node.name in seeds and node.name not in found:
-            found.add(node.name)
-            stack.extend(node.all_input_nodes)
-    return found
 
 
 def _copy_late(graph: fx.Graph, comp, loss: fx.Node, upstream: set[str],

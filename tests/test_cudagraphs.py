@@ -337,3 +337,31 @@ def test_which_forwards_are_replayed_from_a_graph(caplog, monkeypatch):
     assert [r.levelno for r in caplog.records] == [logging.INFO, logging.WARNING]
     assert all("cudaMallocAsync" in r.getMessage() for r in caplog.records)
     del mode
+
+
+def test_a_refusal_is_said_only_where_graphs_could_run(caplog, monkeypatch):
+    """`erase_fx.compilation` looks for data-dependent sizes on every forward it compiles
+    (before Inductor takes the module over); `graph_forward` says why a forward gets no
+    graph only where it could get one: not on CPU, not with ``cudagraphs=False``."""
+    import logging
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from erase_fx.emit.cudagraphs import graph_forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        on_gpu = [torch.empty(2, 3, device="cuda")]
+    metadata = types.SimpleNamespace(num_forward_returns=1, static_input_indices=[])
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    refusal = "data-dependent sizes or values (node nonzero: nonzero)"
+    with caplog.at_level(logging.INFO, "erase_fx"):
+        for inputs, option in ((on_gpu, False), ([torch.empty(2)], None),
+                               ([torch.empty(2)], True)):
+            assert graph_forward(lambda args: args, inputs, cudagraphs=option,
+                                 fw_metadata=metadata, name="g", refusal=refusal) is None
+        assert caplog.records == []
+        assert graph_forward(lambda args: args, on_gpu, cudagraphs=None, fw_metadata=metadata,
+                             name="g", refusal=refusal) is None
+    assert [r.getMessage() for r in caplog.records] == [f"erase_fx g: no CUDA graphs: {refusal}"]
+    del mode

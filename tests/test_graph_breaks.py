@@ -193,3 +193,20 @@ def test_a_function_instance_cannot_be_deep_copied():
     """Why explain no longer copies the model (it did, with copy.deepcopy)."""
     with pytest.raises(TypeError, match="pickle"):
         copy.deepcopy(FunctionInstance())
+
+
+def test_an_outputs_line_names_its_file_as_a_graph_break_does(tmp_path, monkeypatch):
+    """`erase_fx.names.user_line` and `GraphBreakReport.where` shorten a file one way
+    (`erase_fx.report.short_path`): relative inside the working folder, else as it is."""
+    from erase_fx.names import user_line
+    from erase_fx.report import GraphBreakReport
+
+    inside, outside = tmp_path / "work" / "model.py", tmp_path / "elsewhere" / "model.py"
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    for path in (inside, outside):
+        trace = f'  File "{path}", line 7, in forward\n    h = self.head(x)\n'
+        where = GraphBreakReport(reason="", file=str(path), line=7).where
+        assert user_line(trace) == f"{where}: h = self.head(x)"
+    assert user_line(f'  File "{inside}", line 7, in forward\n').startswith("model.py:7")
+    assert user_line(f'  File "{outside}", line 7, in forward\n').startswith(f"{outside}:7")

@@ -102,6 +102,32 @@ def test_the_main_stream_leaves_the_wait_for_the_graph_end_block_to_the_backward
     assert program.graph_end.pending == [3]
 
 
+@pytest.mark.parametrize("width", [1, 2])
+def test_on_fewer_cuda_streams_the_main_stream_still_leaves_the_graph_end_block(width):
+    """With ``side_cuda_streams`` folding stream 3 (the graph-end block) onto CUDA stream 1,
+    which runs block 0 (and block 1 with one stream), the join waits for no CUDA stream
+    that runs the graph-end block: the main stream waits for the event after that stream's
+    last other step, and the event after the block is left to the backward."""
+    from erase_fx.emit.streams import fold
+
+    stages = Stages(Chain(3), chain_inputs(),
+                    EraseConfig(inner="aot_eager", streams=3, tuning=Tuning(stages_on_side=False)),
+                    graph_end=True)
+    program, streams = build(stages, side_cuda_streams=width)
+    values = real_values(stages.fw)
+    program([values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")])
+    trace = streams.trace
+    (joined,) = [entry[1] for entry in trace if entry[0] == "join"]
+    (deferred,) = [entry[1] for entry in trace if entry[0] == "defer"]
+    assert deferred == (1,) and not {fold(s, width) for s in joined} & set(deferred)
+    # NB: the trace names the streams join is given; it folds them as it waits
+    assert trace[-7:] == [("wait", 1, (0,)), ("run", 1),  # the graph-end block, on stream 1
+                          ("wait", 0, (1, 1 if width == 1 else 2)), ("run", 0),
+                          ("join", () if width == 1 else (2,)),
+                          ("wait_events", 0, (1,)), ("defer", (1,))]
+    assert program.graph_end.pending == [1]
+
+
 def test_a_forward_whose_backward_never_comes_disarms_after_one_waste(programs):
     model = GraphBreakChain()
     run = compiled(model)

@@ -62,16 +62,14 @@ def test_a_wait_for_a_step_not_launched_before_is_refused():
         happens_before([MAIN, SIDE1], [(1,), ()])
 
 
-def test_each_buffer_knows_its_producer_its_uses_and_where_each_stream_may_reuse_it():
+def test_each_buffer_knows_its_producer_and_its_uses():
     plan = chain_plan()
     by_slot = {b.slots: b for b in plan.buffers}
     assert set(by_slot) == {(2,), (3,), (4,), (5,), (6,), (7,)}  # inputs are the caller's
     activations = by_slot[(2,)]
     assert (activations.producer, activations.stream, activations.uses) == (0, MAIN, (1, 2))
-    # main step 4 does not come after side step 1; step 5 waits for it
-    assert activations.reuse_at == {MAIN: 5, SIDE1: None, SIDE2: None}
-    assert by_slot[(4,)].reuse_at[MAIN] == 5
-    assert by_slot[(6,)].kept and by_slot[(6,)].reuse_at == dict.fromkeys((0, 1, 2))
+    assert (by_slot[(4,)].producer, by_slot[(4,)].uses) == (2, (3, 4))
+    assert by_slot[(6,)].kept and not activations.kept
 
 
 def test_today_without_a_lag_holds_what_crosses_streams_to_the_join():

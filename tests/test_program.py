@@ -97,3 +97,18 @@ def test_slots_are_freed_after_their_last_reader():
     assert freed  # activations read only by a block die with its step
     assert program.side_results  # early grads come back from side streams
     assert torch.is_tensor(stages.fw.graph.find_nodes(op="placeholder")[0].meta["val"])
+
+
+def test_the_memory_plans_sizes_are_measured_at_the_first_plan_not_at_build(monkeypatch):
+    from erase_fx.emit import program as program_module
+
+    measured = []
+    original = program_module.segment_temporaries
+    monkeypatch.setattr(program_module, "segment_temporaries",
+                        lambda gm: measured.append(gm) or original(gm))
+    stages = Stages(Chain(3), chain_inputs(), EraseConfig(inner="aot_eager"))
+    program, _ = build(stages, trace=False)
+    assert measured == []  # compiling pays nothing for a plan no one asks for
+    plan = program.memory_plan()
+    assert len(measured) == len(program.steps) and plan.buffers
+    assert program.memory_plan(temporaries=True).buffers and len(measured) == len(program.steps)

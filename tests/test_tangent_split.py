@@ -16,7 +16,7 @@ import erase_fx
 from erase_fx.config import EraseConfig
 from erase_fx.emit import live_tangents
 from erase_fx.passes import RejectReason, Role, get_meta, run_pass
-from erase_fx.passes.graph import is_tangent, output_values
+from erase_fx.passes.graph import is_tangent, output_values, upstream_of_seed
 from erase_fx.passes.pipeline import FIND_STOP_GRADIENT_BLOCKS, SPECIALIZE_UNUSED_TANGENTS
 from graphs import (
     Chain,
@@ -90,6 +90,23 @@ def test_losses_written_into_slots_of_one_tensor_are_seeded_at_their_element(inn
     assert [r.reason for r in analysis.rejected] == [RejectReason.LAST_BLOCK]
     for block in analysis.blocks:
         assert block.loss_seed and block.loss_seed != block.tangent
+
+
+def test_the_seeds_that_make_an_element_seed_are_what_the_backward_computes_before_it():
+    """`upstream_of_seed` (find_stop_gradient_blocks' linearity check and
+    schedule_early_backward's copy both read it): the block's seeds the element is made of
+    from the tangent, it included, and none of those that read it; none for a tangent."""
+    joint = trace_joint(SlotLossChain(3), *chain_inputs())
+    analysis = run_pass(FIND_STOP_GRADIENT_BLOCKS, joint.gm, CFG,
+                        num_fwd_outputs=joint.num_fwd_outputs).artifact
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    for block in analysis.blocks:
+        seeds = set(block.component.seeds)
+        upstream = upstream_of_seed(by_name[block.loss_seed], seeds)
+        assert block.loss_seed in upstream and upstream < seeds
+        assert all(is_tangent(a) or a.name in upstream
+                   for name in upstream for a in by_name[name].all_input_nodes)
+        assert upstream_of_seed(by_name[block.tangent], seeds) == set()
 
 
 class SlotMeanOfTerms(SlotLossChain):

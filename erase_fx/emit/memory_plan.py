@@ -17,9 +17,7 @@ slot's storage (`SlotMemory`, from the FX meta) and a release plan
   earlier step to a later one in launch order, so the order is a DAG.
 - `Buffer`, one per allocation the forward makes (the slots that share one
   storage): the step that made it and the stream whose pool it came from,
-  the steps that read it, and per stream the first step that may reuse its
-  memory with no new wait: launched after its last use, and every use
-  happens before it (`Buffer.reuse_at`).
+  and the steps that read it.
 - `Peaks`, the predicted high-water mark of those buffers under three rules:
   ``today``: the release plan, one pool per CUDA stream, the pools added;
   ``record_stream``: each value dropped after its last reader is launched,
@@ -212,10 +210,6 @@ class Buffer:
         uses: the other steps that read one of its slots or return a view of it, in
             launch order.
         kept: a slot is a forward output: autograd holds it past the forward.
-        reuse_at: per CUDA stream of the program, the first step on it that may reuse the
-            memory with no new wait: launched after the last use, and every use (and the
-            producer) happens before it. None: no such step in the forward (reused after
-            the join, where every stream is ordered), or the buffer is kept.
     """
 
     slots: tuple[int, ...]
@@ -224,7 +218,6 @@ class Buffer:
     stream: int
     uses: tuple[int, ...]
     kept: bool
-    reuse_at: dict[int, int | None]
 
     @property
     def last_use(self) -> int:
@@ -245,42 +238,22 @@ def buffers_of(steps: Sequence[StepIO], memory: SlotMemory, kept: set[int],
     for slot in sorted(uses.producer):
         if memory.owned(slot):
             groups.setdefault(memory.storage[slot], []).append(slot)
-    streams = sorted(set(order.streams))
     found = []
     for slots in groups.values():
         made = sorted({uses.producer[s] for s in slots})
         producer = made[0]
         used = sorted({*made[1:], *(k for s in slots for k in uses.readers.get(s, ()))}
                       - {producer})
-        buffer = Buffer(tuple(slots), max(memory.nbytes[s] for s in slots), producer,
-                        order.streams[producer], tuple(used), any(s in kept for s in slots), {})
-        if not buffer.kept:
-            buffer.reuse_at.update((s, _first_after_uses(buffer, s, order)) for s in streams)
-        else:
-            buffer.reuse_at.update(dict.fromkeys(streams))
-        found.append(buffer)
+        found.append(Buffer(tuple(slots), max(memory.nbytes[s] for s in slots), producer,
+                            order.streams[producer], tuple(used), any(s in kept for s in slots)))
     return tuple(sorted(found, key=lambda b: (b.producer, b.slots)))
 
 
 def temporaries_of(temporaries: Sequence[int], order: Order) -> tuple[Buffer, ...]:
     """A buffer per step that holds temporaries (``temporaries[k]`` bytes, as
     `segment_temporaries` estimates them): made by the step, used by nothing after it."""
-    streams = sorted(set(order.streams))
-    found = []
-    for k, size in enumerate(temporaries):
-        if size > 0:
-            buffer = Buffer((), size, k, order.streams[k], (), False, {})
-            buffer.reuse_at.update((s, _first_after_uses(buffer, s, order)) for s in streams)
-            found.append(buffer)
-    return tuple(found)
-
-
-def _first_after_uses(buffer: Buffer, stream: int, order: Order) -> int | None:
-    """The first step on ``stream`` after the buffer's last use that every use happens before."""
-    k = order.first_on(stream, buffer.last_use + 1)
-    while k is not None and not buffer.done_before(k, order):
-        k = order.first_on(stream, k + 1)
-    return k
+    return tuple(Buffer((), size, k, order.streams[k], (), False)
+                 for k, size in enumerate(temporaries) if size > 0)
 
 
 def pinned_slots(steps: Sequence[StepIO], memory: SlotMemory) -> frozenset[int]:
@@ -470,17 +443,6 @@ class MemoryPlan:
     record_stream: Peaks
     one_pool: Peaks
     races: tuple[Race, ...]
-
-    def describe(self) -> str:
-        """One line: the predicted peaks (MiB, per stream and in all) and the races found."""
-        def mib(peaks: Peaks) -> str:
-            streams = ", ".join(f"{peaks.by_stream.get(s, 0) / 2**20:.1f}"
-                                for s in sorted(set(self.order.streams)))
-            return f"{peaks.total / 2**20:.1f} MiB ({streams})"
-
-        return (f"{len(self.buffers)} buffers; peak today {mib(self.today)}, with record_stream "
-                f"{mib(self.record_stream)}, one pool {mib(self.one_pool)}; "
-                f"{len(self.races)} races")
 
 
 def plan_memory(steps: Sequence[StepIO], memory: SlotMemory, kept: set[int],

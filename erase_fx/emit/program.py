@@ -21,9 +21,11 @@ order; `streams.StreamOps` decides what a step on a side stream means:
 
 A call runs on `StreamOps.folded` streams when ``side_cuda_streams`` folds
 the side streams onto fewer CUDA streams; the steps, their order and their
-events stay as they are. A program built with ``"auto"`` for it or for
-``release_lag`` says so (`StreamProgram.tunables`) and runs with what
-`erase_fx.compile_step` sets (`StreamProgram.tune`, through the step's
+events stay as they are, but for where the forward's end leaves graph-end
+work running (`GraphEndJoin`: on the CUDA streams it runs on). A program
+built with ``"auto"`` for it or for ``release_lag`` says so
+(`StreamProgram.tunables`) and runs with what `erase_fx.compile_step` sets
+(`StreamProgram.tune`, through the step's
 `erase_fx.emit.capture_scope.StepScope`, which each call meets), the
 defaults otherwise.
 
@@ -47,6 +49,7 @@ early. Each caller adds its own hooks; they run in the order they were added.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -63,7 +66,7 @@ from erase_fx.emit.memory_plan import (
     MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
 )
 from erase_fx.emit.release import CapturePlan, StepIO, plan_captured_releases
-from erase_fx.emit.streams import StreamOps, record_stream_reuse_on
+from erase_fx.emit.streams import StreamOps, fold, record_stream_reuse_on
 from erase_fx.errors import GraphInvariantError
 from erase_fx.passes import MAIN_STREAM, SegmentedForward
 
@@ -113,6 +116,37 @@ CompletionFn = Callable[[Any, list[Any], tuple[int, ...], StreamOps], None]
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphEndJoin:
+    """How a forward's end joins the side streams, folded onto one number of CUDA streams,
+    when steps of blocks at the graph's end run there (`erase_fx.emit.graph_end`).
+
+    Attributes:
+        joined: the side streams the main stream waits for whole: no graph-end step runs
+            on their CUDA stream.
+        deferred: the CUDA streams graph-end steps run on (side streams as folded): the
+            events after their work are left for the backward to wait for.
+        waits_after: the last step on each deferred stream that is not graph-end work: the
+            main stream waits for the event recorded after it.
+    """
+
+    joined: tuple[int, ...]
+    deferred: tuple[int, ...]
+    waits_after: tuple[int, ...]
+
+    @classmethod
+    def of(cls, steps: Sequence[Step], width: int | None) -> GraphEndJoin:
+        """The join of ``steps`` with the side streams folded onto ``width`` CUDA streams."""
+        on = [fold(step.stream, width) for step in steps]
+        deferred = sorted({on[k] for k, step in enumerate(steps) if step.at_graph_end})
+        last = {stream: max((k for k, step in enumerate(steps)
+                             if on[k] == stream and not step.at_graph_end), default=-1)
+                for stream in deferred}
+        side = sorted({step.stream for step in steps if step.stream != MAIN_STREAM})
+        return cls(tuple(s for s in side if fold(s, width) not in deferred), tuple(deferred),
+                   tuple(sorted(k for k in last.values() if k >= 0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class CompletionHook:
     """A callback on some results of the forward, run right after the last step that makes one.
 
@@ -142,8 +176,7 @@ class StreamProgram(Boxed):
         constants: tuple[tuple[int, Any], ...] = (),
         release_lag: int | str | None = None,
         side_cuda_streams: int | str | None = None,
-        memory: SlotMemory | None = None,
-        temporaries: tuple[int, ...] | None = None,
+        measure: Callable[[], tuple[SlotMemory, tuple[int, ...]]] | None = None,
     ):
         super().__init__()
         self.steps = steps
@@ -153,12 +186,9 @@ class StreamProgram(Boxed):
         self.results = results  # ("slot", i) or ("const", value), per graph output
         self.streams = streams
         self.side_streams = tuple(sorted({s.stream for s in steps if s.stream != MAIN_STREAM}))
-        #: what each slot's value occupies (from the split module's meta; None when built
-        #: without one): what `memory_plan` sizes the buffers by
-        self.memory = memory
-        #: per step, the bytes its segment holds inside at its peak, estimated from its FX
-        #: graph (`segment_temporaries`; None when built without one)
-        self.temporaries = temporaries
+        #: reads `memory` and `temporaries` from the split module, at the first access of
+        #: either (None: built without one); only `memory_plan` reads them
+        self._measure = measure
         slot_stream = {slot: s.stream for s in steps for slot in s.outputs if slot >= 0}
         self.side_results = tuple(
             i for i, (kind, slot) in enumerate(results)
@@ -190,12 +220,28 @@ class StreamProgram(Boxed):
         #: the graph outputs the graph-end steps make (their blocks' early gradients)
         self.graph_end_results = tuple(i for i, (kind, slot) in enumerate(results)
                                        if kind == "slot" and slot in produced)
-        #: per side stream that runs graph-end steps, its last other step: the main stream
-        #: waits for that one at the forward's end, not for the graph-end work after it
-        self._last_regular = {
-            stream: max((k for k, s in enumerate(steps)
-                         if s.stream == stream and not s.at_graph_end), default=-1)
-            for stream in {steps[k].stream for k in self.graph_end_steps}}
+        #: per width of ``side_cuda_streams``, how the forward's end leaves the graph-end work
+        self._graph_end_joins: dict[int | None, GraphEndJoin] = {}
+
+    @functools.cached_property
+    def _measured(self) -> tuple[SlotMemory, tuple[int, ...]] | None:
+        if self._measure is None:
+            return None
+        measured = self._measure()
+        self._measure = None  # NB: lets the split module go
+        return measured
+
+    @property
+    def memory(self) -> SlotMemory | None:
+        """What each slot's value occupies (from the split module's meta, read at the first
+        access; None when built without one): what `memory_plan` sizes the buffers by."""
+        return None if self._measured is None else self._measured[0]
+
+    @property
+    def temporaries(self) -> tuple[int, ...] | None:
+        """Per step, the bytes its segment holds inside at its peak, estimated from its FX
+        graph (`segment_temporaries`, at the first access; None when built without one)."""
+        return None if self._measured is None else self._measured[1]
 
     def capture_plan_for(self, lag: int | None) -> CapturePlan:
         """How a captured run with release lag ``lag`` frees memory (`erase_fx.emit.release`;
@@ -319,12 +365,13 @@ class StreamProgram(Boxed):
                 records_event=k in read_elsewhere,
                 at_graph_end=segment.at_graph_end,
             ))
-        memory = slot_memory(_slot_values(segmented.gm, slot),
-                             [*range(len(placeholders)), *(s for s, _ in constants)])
-        temporaries = tuple(segment_temporaries(getattr(segmented.gm, call.target))
-                            for call in raw_steps)
+        # NB: measured only where a memory plan is asked for (the bench, tests): compiling
+        # pays nothing for it
+        measure = functools.partial(
+            _measure, segmented.gm, slot, (*range(len(placeholders)), *(s for s, _ in constants)),
+            tuple(call.target for call in raw_steps))
         return cls(tuple(steps), len(placeholders), len(slot), results, streams,
-                   tuple(constants), release_lag, side_cuda_streams, memory, temporaries)
+                   tuple(constants), release_lag, side_cuda_streams, measure)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if len(args) != self.num_inputs:
@@ -338,7 +385,8 @@ class StreamProgram(Boxed):
             contexts = [(c, hooks) for c, hooks in began if c is not None] or None
         args.clear()  # NB: boxed convention: we own the inputs now and free them early
         meet(self)  # a compile_step warming up or capturing sets what "auto" runs with
-        plan, streams = self._choice()
+        plan, streams, width = self._choice()
+        join = self._graph_end_join(width)
         if contexts is not None:
             self._complete(-1, env, contexts, streams)
         # NB: the side streams start from the main stream's state: the inputs are ready
@@ -348,10 +396,10 @@ class StreamProgram(Boxed):
         if not capturing:
             if self.graph_end is not None and not self.graph_end.armed:
                 stash = {}
-            events = self._run(env, streams, contexts, stash)
+            events = self._run(env, streams, contexts, stash, join.waits_after)
         elif plan is None:  # release_lag="record_stream": the allocator orders the reuse
             self._check_record_stream_reuse()
-            events = self._run(env, streams.marking_uses(), contexts)
+            events = self._run(env, streams.marking_uses(), contexts, None, join.waits_after)
         else:
             events = self._run_captured(env, plan, streams, contexts)
         results = [env[value] if kind == "slot" else value for kind, value in self.results]
@@ -362,31 +410,39 @@ class StreamProgram(Boxed):
         if self.graph_end is None or capturing or stash is not None:
             streams.join(self.side_streams, [results[i] for i in self.side_results])
         else:
-            self._join_leaving_graph_end(streams, events, results)
+            self._join_leaving_graph_end(streams, events, results, join)
         return results
 
     def _join_leaving_graph_end(self, streams: StreamOps, events: dict[int, Any],
-                                results: list[Any]) -> None:
+                                results: list[Any], join: GraphEndJoin) -> None:
         """The join, but for the graph-end work: the main stream waits for everything else; an
-        event after the graph-end work is left for the backward to wait for."""
-        deferred = set(self._last_regular)
-        streams.join([s for s in self.side_streams if s not in deferred],
-                     [results[i] for i in self.side_results])
-        before = [events[k] for k in self._last_regular.values() if k >= 0]
-        if before:
-            streams.wait_events(MAIN_STREAM, before)
-        self.graph_end.pending += streams.defer(sorted(deferred),
+        event after the graph-end work is left for the backward to wait for. NB: ``join`` is
+        of the CUDA streams ``streams`` runs on: a side stream folded onto the CUDA stream
+        of graph-end work is waited for up to its last step, not joined, else the join
+        would wait for the graph-end work too."""
+        streams.join(join.joined, [results[i] for i in self.side_results])
+        if join.waits_after:
+            streams.wait_events(MAIN_STREAM, [events[k] for k in join.waits_after])
+        # NB: deferred names CUDA streams, which folding leaves as they are
+        self.graph_end.pending += streams.defer(join.deferred,
                                                 [results[i] for i in self.graph_end_results])
+
+    def _graph_end_join(self, width: int | None) -> GraphEndJoin:
+        """How the forward's end joins the side streams folded onto ``width`` CUDA streams
+        (computed once per width)."""
+        if width not in self._graph_end_joins:
+            self._graph_end_joins[width] = GraphEndJoin.of(self.steps, width)
+        return self._graph_end_joins[width]
 
     def tune(self, choice: CaptureChoice) -> None:
         """Run the options built with "auto" with ``choice`` from the next call on (set by
         `erase_fx.compile_step` through its `erase_fx.emit.capture_scope.StepScope`)."""
         self.tuned = choice
 
-    def _choice(self) -> tuple[CapturePlan | None, StreamOps]:
+    def _choice(self) -> tuple[CapturePlan | None, StreamOps, int | None]:
         """This call's release plan (used under capture; None with ``release_lag=
-        "record_stream"``) and streams: the options', or, for those set to "auto", the values
-        `tune` set."""
+        "record_stream"``), streams and their width (``side_cuda_streams``): the options',
+        or, for those set to "auto", the values `tune` set."""
         lag, width = self.release_lag, self.side_cuda_streams
         if lag == AUTO:
             lag = self.tuned.lag
@@ -394,10 +450,10 @@ class StreamProgram(Boxed):
             width = self.tuned.width
         plan = None if lag == RECORD_STREAM else self.capture_plan_for(lag)
         if width is None:
-            return plan, self.streams
+            return plan, self.streams, None
         if width not in self._folded:
             self._folded[width] = self.streams.folded(width)
-        return plan, self._folded[width]
+        return plan, self._folded[width], width
 
     def _check_record_stream_reuse(self) -> None:
         """Say once why ``release_lag="record_stream"`` would hold memory to the end of the
@@ -410,18 +466,19 @@ class StreamProgram(Boxed):
                         "the capture")
 
     def _run(self, env: list[Any], streams: StreamOps, contexts: Any = None,
-             stash: dict[int, Any] | None = None) -> dict[int, Any]:
+             stash: dict[int, Any] | None = None,
+             record_after: Sequence[int] = ()) -> dict[int, Any]:
         """Each slot dropped after its last reader; ``record_stream`` guards cross-stream
         reuse. With a ``stash``, the graph-end steps do not run: their inputs go into it.
-        Returns the events recorded, by step."""
+        An event is recorded after each step another stream reads, and after each step in
+        ``record_after`` (`GraphEndJoin.waits_after`). Returns the events recorded, by step."""
         events: dict[int, Any] = {}
         for k, step in enumerate(self.steps):
             skipped = stash is not None and step.at_graph_end
             if skipped:
                 stash.update((slot, env[slot]) for slot in step.inputs if env[slot] is not None)
             else:
-                self._launch(k, step, env, events, streams,
-                             record=self._last_regular.get(step.stream) == k)
+                self._launch(k, step, env, events, streams, record=k in record_after)
             for slot in step.frees:
                 env[slot] = None
             # NB: a hook after a step left to the backward reads values not made yet
@@ -506,6 +563,14 @@ class StreamProgram(Boxed):
         for slot, value in zip(step.outputs, outputs):
             if slot >= 0:
                 env[slot] = value
+
+
+def _measure(gm: fx.GraphModule, slot: dict[fx.Node, int], external: Sequence[int],
+             segments: Sequence[str]) -> tuple[SlotMemory, tuple[int, ...]]:
+    """What each slot's value occupies (``external``: the inputs' and constants' slots), and
+    the temporaries of each step's segment (``segments``: their names), from the split module."""
+    return (slot_memory(_slot_values(gm, slot), external),
+            tuple(segment_temporaries(getattr(gm, name)) for name in segments))
 
 
 def _slot_values(gm: fx.GraphModule, slot: dict[fx.Node, int]) -> list[Any]:
