@@ -390,9 +390,11 @@ class GraphCompilation:
             # NB: as stock compile_fx_backward marks the gradients it returns
             mark_outputs_user_visible(
                 deferred.gm, None if inductor_config.bw_outputs_user_visible else [])
+        # NB: a whole early gradient's saved tensor owns its memory (plan_early_grads)
+        private = {(grad.param, grad.saved) for grad in self.joint.early_grads}
         return ScaledBackward(
             compile_graph(deferred.gm, example_inputs, self.cfg.inner, **inductor_kwargs),
-            deferred.artifact.num_grads, deferred.artifact.scaled)
+            deferred.artifact.num_grads, deferred.artifact.scaled, private)
 
     # -- helpers --------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from graphs import (
     attention_chain,
     attention_inputs,
     chain_inputs,
+    check_parity,
     real_values,
 )
 
@@ -153,6 +154,52 @@ def test_memory_shared_with_another_input_is_scaled_out_of_place(in_backward):
     before = base.clone()
     grads = ScaledBackward(passthrough, 2, SCALED)([saved, other, torch.tensor(2.0)])
     assert torch.equal(base, before) and torch.equal(grads[1], 2 * before[:3])
+
+
+def test_a_gradient_proven_private_is_scaled_in_place_without_reading_any_memory(
+        in_backward, monkeypatch):
+    def unread(values):
+        raise AssertionError("the memory of a proven gradient was read")
+
+    monkeypatch.setattr(scale_grads, "_storage_ptrs", unread)
+    saved, other = torch.randn(4, 3).t(), torch.randn(5)
+    expected = saved * 3.0
+    backward = ScaledBackward(passthrough, 2, SCALED, private={(1, 0)})
+    assert backward.checked == (False,)
+    grads = backward([saved, other, torch.tensor(3.0)])
+    assert torch.equal(grads[1], expected) and grads[1].data_ptr() == saved.data_ptr()
+
+
+def test_a_gradient_proven_private_but_not_dense_is_scaled_out_of_place(in_backward):
+    base = torch.randn(4, 6)
+    saved = base[:, :3]
+    before = base.clone()
+    grads = ScaledBackward(passthrough, 2, SCALED, private={(1, 0)})(
+        [saved, torch.randn(5), torch.tensor(2.0)])
+    assert torch.equal(base, before) and torch.equal(grads[1], 2 * before[:, :3])
+
+
+def test_a_proof_for_another_saved_tensor_does_not_count(in_backward):
+    base = torch.randn(6)
+    saved, other = base[:3], base[3:]
+    before = base.clone()
+    backward = ScaledBackward(passthrough, 2, SCALED, private={(1, 1)})
+    assert backward.checked == (True,)
+    grads = backward([saved, other, torch.tensor(2.0)])
+    assert torch.equal(base, before) and torch.equal(grads[1], 2 * before[:3])
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_chains_whole_early_gradients_are_scaled_without_a_memory_check(inner, monkeypatch):
+    """The compilation hands ScaledBackward its proofs: a chain's early gradients are all
+    whole, so no call reads the memory of the backward's inputs; the gradients stay eager's."""
+    reads = []
+    original = scale_grads._storage_ptrs
+    monkeypatch.setattr(scale_grads, "_storage_ptrs",
+                        lambda values: reads.append(len(values)) or original(values))
+    check_parity(Chain(3), chain_inputs, options={"inner": inner}, steps=2,
+                 rtol=1e-5, atol=1e-6)
+    assert reads == []
 
 
 def test_is_dense_agrees_with_torch():

@@ -17,11 +17,19 @@ graph (``retain_graph=True`` would read the saved tensor again). Otherwise it
 is multiplied out of place, as the graph had it. Each gradient handed out is
 a fresh alias (``detach()``), so autograd's AccumulateGrad adopts it as
 ``.grad`` without a copy.
+
+The memory check reads every input's and gradient's storage at each call
+(about 90 us a step on a four-block chain on the CPU, as much as the rest of
+erase's driver), so it is made only for the gradients the compilation could
+not prove private: a whole early gradient whose saved tensor owns its memory
+(`erase_fx.early_grads.plan_early_grads`: made by an op that returns fresh
+memory, read by nothing else, returned once) shares it with no other input or
+gradient by construction; only its density is checked.
 """
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -46,35 +54,41 @@ class ScaledBackward(Boxed):
     """A compiled backward whose early gradients come out unscaled; scales them.
 
     ``fn`` returns ``num_grads`` gradients then the scales; ``scaled`` says
-    which gradient takes which scale.
+    which gradient takes which scale; ``private``: the ``(grad_index,
+    saved_index)`` of the entries whose saved tensor owns its memory (the
+    compilation proved it: their memory is not checked at each call).
     """
 
     def __init__(self, fn: Callable[[list[Any]], Any], num_grads: int,
-                 scaled: Sequence[ScaledGrad]):
+                 scaled: Sequence[ScaledGrad],
+                 private: Collection[tuple[int, int]] = frozenset()):
         super().__init__()
         self.fn = fn
         self.num_grads = num_grads
         self.scaled = tuple(scaled)
+        #: per entry of ``scaled``: whether its memory is checked at each call
+        self.checked = tuple((e.grad_index, e.saved_index) not in private for e in self.scaled)
+        self._any_checked = any(self.checked)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         in_place = not backward_keeps_graph()
-        arg_storages = _storage_ptrs(args) if in_place else []
-        arg_counts = collections.Counter(arg_storages)
+        check = in_place and self._any_checked
+        # NB: before fn, which clears its (boxed) arguments
+        arg_storages = _storage_ptrs(args) if check else []
         outputs = list(self.fn(args))
         grads, scales = outputs[: self.num_grads], outputs[self.num_grads:]
-        grad_storages = collections.Counter(_storage_ptrs(grads))
+        memory = (_Memory(arg_storages, _storage_ptrs(grads)) if check else None)
         groups: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        for entry in self.scaled:
+        for entry, checked in zip(self.scaled, self.checked):
             grad = grads[entry.grad_index]
             if grad is None:
                 continue
-            scale = scales[entry.scale_index]
-            if in_place and _private(grad, arg_storages[entry.saved_index], arg_counts,
-                                     grad_storages):
+            if in_place and (memory.private(grad, entry.saved_index) if checked
+                             else is_dense(grad)):
                 groups[entry.scale_index].append(grad)
                 grads[entry.grad_index] = grad.detach()
             else:
-                grads[entry.grad_index] = grad * scale
+                grads[entry.grad_index] = grad * scales[entry.scale_index]
         for scale_index, tensors in groups.items():
             scale_unless_one_(tensors, scales[scale_index])
         return grads
@@ -93,15 +107,22 @@ def _storage_ptrs(values: Sequence[Any]) -> list[int | None]:
             for v in values]
 
 
-def _private(grad: torch.Tensor, saved_storage: int | None, arg_counts: collections.Counter,
-             grad_storages: collections.Counter) -> bool:
-    """Whether scaling ``grad`` in place changes nothing anyone else can read: its memory
-    is no other gradient's and no backward input's but its own saved tensor's
-    (``saved_storage``; ``arg_counts`` counts the inputs per memory)."""
-    ptr = grad.untyped_storage().data_ptr()
-    if grad_storages[ptr] != 1 or not is_dense(grad):
-        return False
-    return arg_counts[ptr] == (1 if saved_storage == ptr else 0)
+class _Memory:
+    """The memory of one call's backward inputs and gradients (storage pointers)."""
+
+    def __init__(self, arg_storages: list[int | None], grad_storages: list[int | None]):
+        self.arg_storages = arg_storages
+        self.arg_counts = collections.Counter(arg_storages)
+        self.grad_counts = collections.Counter(grad_storages)
+
+    def private(self, grad: torch.Tensor, saved_index: int) -> bool:
+        """Whether scaling ``grad`` in place changes nothing anyone else can read: it is
+        dense, and its memory is no other gradient's and no backward input's but its own
+        saved tensor's (input ``saved_index``)."""
+        ptr = grad.untyped_storage().data_ptr()
+        if self.grad_counts[ptr] != 1 or not is_dense(grad):
+            return False
+        return self.arg_counts[ptr] == (1 if self.arg_storages[saved_index] == ptr else 0)
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
