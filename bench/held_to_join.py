@@ -193,10 +193,10 @@ def recording() -> Iterator[list[Held]]:
     reports what it holds at the join and each stream's high-water mark.
 
     NB: an observer around the program's private ``_run_captured``, ``_launch`` and
-    ``_capturing`` (bench only): it changes when memory is freed, never what is computed.
+    ``stream_capturing`` (bench only): it changes when memory is freed, never what is computed.
     """
     found: list[Held] = []
-    original, capturing = program_module.StreamProgram._run_captured, program_module._capturing
+    original, capturing = program_module.StreamProgram._run_captured, program_module.stream_capturing
     launch = program_module.StreamProgram._launch
     peaks: dict[int, int] = {}
     streams: dict[int, SlotStreams] = {}  # id(program) -> its slots' streams, once per run
@@ -221,13 +221,13 @@ def recording() -> Iterator[list[Held]]:
 
     program_module.StreamProgram._run_captured = run_captured
     program_module.StreamProgram._launch = launch_watching
-    program_module._capturing = lambda: True
+    program_module.stream_capturing = lambda: True
     try:
         yield found
     finally:
         program_module.StreamProgram._run_captured = original
         program_module.StreamProgram._launch = launch
-        program_module._capturing = capturing
+        program_module.stream_capturing = capturing
 
 
 def live_bytes_by_stream(program: program_module.StreamProgram, env: list,

@@ -54,13 +54,13 @@ def test_each_streams_high_water_mark_shows_where_the_activations_are_made():
 def test_the_observer_restores_the_program_after_it():
     from erase_fx.emit import program
 
-    original, capturing = program.StreamProgram._run_captured, program._capturing
+    original, capturing = program.StreamProgram._run_captured, program.stream_capturing
     launch = program.StreamProgram._launch
     with held_to_join.recording() as found:
         assert program.StreamProgram._run_captured is not original
         assert program.StreamProgram._launch is not launch
-        assert program._capturing is not capturing
-    assert program.StreamProgram._run_captured is original and program._capturing is capturing
+        assert program.stream_capturing is not capturing
+    assert program.StreamProgram._run_captured is original and program.stream_capturing is capturing
     assert program.StreamProgram._launch is launch
     assert found == []
 

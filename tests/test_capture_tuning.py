@@ -216,7 +216,7 @@ def test_an_auto_program_plans_with_the_lag_its_step_sets_and_says_it_can_tune(m
         original(self, env, plan, streams, contexts)
 
     monkeypatch.setattr(program_module.StreamProgram, "_run_captured", spy)
-    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    monkeypatch.setattr(program_module, "stream_capturing", lambda: True)
     program(inputs())
     scope, inner = StepScope(), StepScope()
     with scope.entered():

@@ -236,7 +236,7 @@ def test_inside_someone_elses_capture_the_program_runs_as_is(graphed, monkeypatc
     # a whole-step CUDA graph taken by the user captures the compiled program itself
     fw, bw, w = graphed
     replays = replaying(fw, bw, w)
-    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: True)
+    monkeypatch.setattr(cudagraphs, "stream_capturing", lambda: True)
     x = torch.randn(2, 3)
     loss, (grad, early) = step(fw, bw, w, x)
     assert (fw.replays, bw.replays) == replays
@@ -270,10 +270,10 @@ def test_every_reason_a_call_runs_without_its_graph(graphed, monkeypatch):
     del out
     out = fw([x, w])  # not replayed: grads held; its saved tensors are not a replay's
     assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.NOT_AFTER_A_REPLAY
-    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: True)
+    monkeypatch.setattr(cudagraphs, "stream_capturing", lambda: True)
     assert fw.unreplayed() is Unreplayed.INSIDE_CAPTURE
     assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.INSIDE_CAPTURE
-    monkeypatch.setattr(cudagraphs, "_someone_else_captures", lambda: False)
+    monkeypatch.setattr(cudagraphs, "stream_capturing", lambda: False)
     fw.disabled_reason, bw.disabled_reason = "capture failed: test", "capture failed: test"
     assert fw.unreplayed() is Unreplayed.CAPTURE_FAILED
     assert bw.unreplayed(out[1:] + [torch.ones(())]) is Unreplayed.CAPTURE_FAILED

@@ -459,3 +459,25 @@ def test_graph_end_at_return_is_off_by_default_and_validated():
 
     with pytest.raises(EraseOptionError, match="graph_end_at_return"):
         Tuning(graph_end_at_return="yes")
+
+
+
+def test_a_forward_under_capture_whose_graph_is_freed_keeps_the_program_armed(programs,
+                                                                               monkeypatch):
+    """A forward run under CUDA graph capture is not watched: a capture that fails partway
+    (a host sync later in the step) frees its autograd graph without a backward, and
+    compile_step then runs the step as written, which must keep the blocks at the graph's end
+    and erase's own CUDA graph of the forward."""
+    run = compiled(GraphBreakChain())
+    x, y = chain_inputs()
+    run(x, y).backward()
+    (graph_end,) = programs
+    monkeypatch.setattr(graph_end_module, "stream_capturing", lambda: True)
+    for _ in range(2):
+        run(x, y)  # as under a capture that fails after this forward
+        gc.collect()
+    assert graph_end.armed
+    monkeypatch.setattr(graph_end_module, "stream_capturing", lambda: False)
+    run(x, y)
+    gc.collect()
+    assert not graph_end.armed  # outside capture, the same pattern disarms

@@ -74,7 +74,7 @@ def test_a_captured_run_waits_releases_and_computes_the_same_values(monkeypatch)
     plain, _ = build(stages, trace=False)
     expected = plain(list(args))
 
-    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    monkeypatch.setattr(program_module, "stream_capturing", lambda: True)
     program, streams = build(stages, release_lag=2)
     got = program(list(args))
     for a, b in zip(expected, got):
@@ -96,7 +96,7 @@ def _slots_alive_before_each_launch(monkeypatch, cfg, model=None, inputs=None):
     stages = Stages(model or Chain(4), inputs or chain_inputs(), cfg)
     values = real_values(stages.fw)
     args = [values[n.name] for n in stages.fw.graph.find_nodes(op="placeholder")]
-    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    monkeypatch.setattr(program_module, "stream_capturing", lambda: True)
     program, streams = build(stages)
     alive = []
     program.aliases = set()  # outputs that are views of a live value (a weight, a stage output)
@@ -219,7 +219,7 @@ def test_with_record_stream_a_captured_run_marks_each_use_and_drops_after_the_la
     plain, _ = build(stages, trace=False)
     expected = plain(list(args))
 
-    monkeypatch.setattr(program_module, "_capturing", lambda: True)
+    monkeypatch.setattr(program_module, "stream_capturing", lambda: True)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     program, streams = build(stages, release_lag="record_stream")

@@ -50,8 +50,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from erase_fx.config import AUTO
-
 
 @dataclasses.dataclass(frozen=True)
 class CaptureChoice:

@@ -75,7 +75,13 @@ from typing import Any
 import torch
 
 from erase_fx.emit.capture_scope import current_scope
-from erase_fx.emit.inner import Boxed, BoxedCallable, cuda_device_of, has_symbolic_shapes
+from erase_fx.emit.inner import (
+    Boxed,
+    BoxedCallable,
+    cuda_device_of,
+    has_symbolic_shapes,
+    stream_capturing,
+)
 from erase_fx.emit.scale_grads import backward_keeps_graph
 
 log = logging.getLogger("erase_fx")
@@ -237,7 +243,7 @@ class GraphedForward(Boxed):
         graph_end = getattr(self.fn, "graph_end", None)
         if graph_end is not None and not graph_end.armed:
             return Unreplayed.GRAPH_END_IN_BACKWARD
-        if self.inside_step or _someone_else_captures():
+        if self.inside_step or stream_capturing():
             return Unreplayed.INSIDE_CAPTURE
         if self.graph is not None and (self.memory.in_use() or (
                 self.backward is not None and self.backward.memory.in_use())):
@@ -376,7 +382,7 @@ class GraphedBackward(Boxed):
         """Why this call must run without the graph, or None: it replays (capturing if needed)."""
         if self.disabled_reason is not None:
             return Unreplayed.CAPTURE_FAILED
-        if self.forward.inside_step or _someone_else_captures():
+        if self.forward.inside_step or stream_capturing():
             return Unreplayed.INSIDE_CAPTURE
         if backward_keeps_graph():
             return Unreplayed.KEEPS_GRAPH
@@ -435,11 +441,6 @@ class GraphedBackward(Boxed):
         del outputs, inputs
         owned = [p for p in self.output_plan if isinstance(p, torch.Tensor)]
         self.memory = _OwnedMemory(owned + self.static_tangents)
-
-
-def _someone_else_captures() -> bool:
-    """Whether someone else captures: the current stream is being captured (ours run as is)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:

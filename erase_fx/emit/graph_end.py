@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from erase_fx.emit.inner import Boxed
+from erase_fx.emit.inner import Boxed, stream_capturing
 
 log = logging.getLogger("erase_fx")
 
@@ -94,8 +94,15 @@ class GraphEnd:
 
     def watch(self, outputs: Any) -> None:
         """Watch one armed forward's autograd node: freed before its backward ran, the
-        forward's graph-end work was wasted, and the program disarms."""
-        if not self.armed:
+        forward's graph-end work was wasted, and the program disarms.
+
+        NB: not a forward run under CUDA graph capture: a capture runs the blocks armed
+        whatever this says, and a capture that fails partway (a host sync later in the
+        step, which makes `erase_fx.compile_step` run the step as written) frees the
+        forward's graph without a backward: not the user's pattern, and disarmed, the
+        uncaptured steps after it would leave the blocks to the backward and lose erase's
+        own CUDA graph of the forward (`erase_fx.emit.cudagraphs`)."""
+        if not self.armed or stream_capturing():
             return
         values = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
         node = next((v.grad_fn for v in values

@@ -125,3 +125,9 @@ def cuda_device_of(example_inputs: Sequence[Any]) -> torch.device | None:
         if isinstance(value, torch.Tensor) and value.device.type == "cuda":
             return value.device
     return None
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (False without
+    CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

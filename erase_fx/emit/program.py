@@ -61,7 +61,7 @@ import torch.fx as fx
 from erase_fx.config import AUTO, RECORD_STREAM
 from erase_fx.emit.capture_scope import DEFAULT_CHOICE, CaptureChoice, Tunables, meet
 from erase_fx.emit.graph_end import GraphEnd
-from erase_fx.emit.inner import Boxed, BoxedCallable
+from erase_fx.emit.inner import Boxed, BoxedCallable, stream_capturing
 from erase_fx.emit.memory_plan import (
     MemoryPlan, SlotMemory, plan_memory, segment_temporaries, slot_memory,
 )
@@ -391,7 +391,7 @@ class StreamProgram(Boxed):
             self._complete(-1, env, contexts, streams)
         # NB: the side streams start from the main stream's state: the inputs are ready
         streams.fork(self.side_streams)
-        capturing = bool(self.side_streams) and _capturing()
+        capturing = bool(self.side_streams) and stream_capturing()
         stash: dict[int, Any] | None = None
         if not capturing:
             if self.graph_end is not None and not self.graph_end.armed:
@@ -605,6 +605,3 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
         value = getattr(value, part)
     return value
 
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

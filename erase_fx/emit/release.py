@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from erase_fx.config import RECORD_STREAM
 from erase_fx.passes import MAIN_STREAM
 
 
