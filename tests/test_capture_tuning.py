@@ -443,7 +443,8 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
 
 def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cuda, monkeypatch):
     """A float lr changed while candidate 2 is timed: warm-up and a capture of 2 again (a
-    recapture, counted as such); its timings start over; training stays exact."""
+    recapture, counted as such; the warm-ups run with 2, the choice of the capture they
+    prepare); its timings start over; training stays exact."""
     step, reference, times, asking, models, opts = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     train(step, reference, times, 3 + (capture_tuning.TIMED_REPLAYS + 1) + 3)
@@ -455,7 +456,7 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
     assert tuner.done and tuner.chosen == C(2)
     assert [m.choice.lag for m in tuner.measured] == [None, 2, 1]
     assert (step.captures, step.tuning_captures) == (2, 3)
-    assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
+    assert asking.lags[-10:] == [2] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
     assert_trains_like_eager(models, opts)
 
 

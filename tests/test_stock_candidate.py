@@ -21,11 +21,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from erase_fx import backend as backend_module
-from erase_fx import collect_reports
+from erase_fx import capture_tuning, collect_reports, compile_step
 from erase_fx.capture_tuning import STOCK_CHOICE
 from erase_fx.emit.capture_scope import CaptureChoice, StepScope, Tunables
 from erase_fx.emit.stock_switch import StockSwitch, stock_candidate_refusal
-from test_step import Chain
+from fake_cuda import FakeGraph, fake_cuda  # noqa: F401 - a fixture
+from test_capture_tuning import MiB, Asking, FakeTimes, assert_trains_like_eager, key, train
+from test_step import Chain, erase_training, two_model_step
+from erase_fx.step import tuning as step_tuning
 
 ERASE_OPTIONS = {"inner": "aot_eager", "on_error": "raise"}
 WITH_STOCK = {**ERASE_OPTIONS, "tuning": {"stock_candidate": True}}
@@ -202,3 +205,102 @@ def test_the_refusals_in_order():
         data_parallel=True, updates_early=True, example_inputs=static)
     assert "early_optimizer" in stock_candidate_refusal(
         data_parallel=False, updates_early=True, example_inputs=static)
+
+
+# -- compile_step ------------------------------------------------------------------------
+#
+# NB: under the fake capture Dynamo runs compiled models eagerly: the switch is built here
+# around two stand-ins of compiled functions, which note whether each call was captured.
+
+
+class Program:
+    """A compiled function's stand-in: runs ``model``, noting for each call whether a capture
+    was under way (False: a warm-up)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.captured = []
+
+    def __call__(self, x, y):
+        self.captured.append(FakeGraph.capturing is not None)
+        return self.model(x, y)
+
+
+def stock_training(monkeypatch, ms, mib, auto_lag=False):
+    """A step over a switch between ``erase`` (an ``"auto"`` program with ``auto_lag``) and
+    ``stock``, its eager twin, times and pools per choice (`key`)."""
+    (model,), (opt,) = (x[:1] for x in erase_training("sgd"))
+    (ref_model,), (ref_opt,) = (x[:1] for x in erase_training("sgd"))
+    erase = Program(Asking(model) if auto_lag else model)
+    stock = Program(model)
+    step = compile_step(two_model_step([model], [opt], [StockSwitch(erase, stock, 0)]))
+    reference = two_model_step([ref_model], [ref_opt], [ref_model])
+    times = FakeTimes(monkeypatch, ms)
+    monkeypatch.setattr(step_tuning, "pool_bytes",
+                        lambda pool: mib[key(step.capture_tunings[-1].choice)] * MiB)
+    return step, reference, times, (erase, stock), (model, ref_model), (opt, ref_opt)
+
+
+#: calls of one candidate: its capture and its timed replays
+CANDIDATE = 1 + capture_tuning.TIMED_REPLAYS
+#: per call of the step, calls of the model (two micro-batches)
+MICRO = 2
+
+
+def test_stock_is_warmed_up_before_its_capture_and_chosen_when_faster(fake_cuda, monkeypatch,
+                                                                      caplog):
+    step, reference, times, (erase, stock), models, opts = stock_training(
+        monkeypatch, {None: 13.0, "stock": 10.0}, {None: 500, "stock": 400})
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        train(step, reference, times, 2 + CANDIDATE + 2 + CANDIDATE + 3)
+    (tuner,) = step.capture_tunings
+    assert tuner.done and tuner.chosen == STOCK_CHOICE
+    assert [m.choice for m in tuner.measured] == [CaptureChoice(), STOCK_CHOICE]
+    # the stock program ran first in two warm-ups, then in its capture; it is kept (no
+    # capture again), and the rest are replays
+    assert stock.captured == [False] * (2 * MICRO) + [True] * MICRO
+    assert erase.captured == [False] * (2 * MICRO) + [True] * MICRO
+    assert (step.captures, step.tuning_captures, step.warmups) == (1, 1, 4)
+    assert not step.tuning and step.uncaptured_reason is None
+    assert "stock (no early blocks) chosen" in caplog.text
+    assert "stock (no early blocks): 10.000 ms" in caplog.text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "erase's fastest candidate took 1.30x the time of the stock program" in (
+        warnings[0].getMessage())
+    assert_trains_like_eager(models, opts)
+
+
+def test_erase_is_captured_again_when_faster_than_stock(fake_cuda, monkeypatch, caplog):
+    step, reference, times, (erase, stock), models, opts = stock_training(
+        monkeypatch, {None: 10.0, 2: 9.9, 1: 9.85, "stock": 10.5},
+        {None: 500, 2: 450, 1: 300, "stock": 200}, auto_lag=True)
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        train(step, reference, times, 2 + 3 * CANDIDATE + 2 + CANDIDATE + 1 + 2)
+    (tuner,) = step.capture_tunings
+    # every lag within 2% of the fastest, 1 the least memory; stock, with less, 7% slower
+    assert tuner.chosen == CaptureChoice(1)
+    assert [key(m.choice) for m in tuner.measured] == [None, 2, 1, "stock"]
+    assert stock.captured == [False] * (2 * MICRO) + [True] * MICRO
+    assert erase.model.lags == [None] * (3 * MICRO) + [2, 2, 1, 1] + [1, 1]
+    assert (step.captures, step.tuning_captures, step.warmups) == (1, 4, 4)
+    assert not step.tuning
+    assert "erase's fastest candidate" not in caplog.text
+    assert_trains_like_eager(models, opts)
+
+
+def test_the_stock_warning_comes_once_per_step(fake_cuda, monkeypatch, caplog):
+    """Two signatures (batch sizes), each tuned apart, both choosing stock: one warning."""
+    step, reference, times, _, models, opts = stock_training(
+        monkeypatch, {None: 13.0, "stock": 10.0}, {None: 500, "stock": 400})
+    calls = 2 + CANDIDATE + 2 + CANDIDATE + 1
+    with caplog.at_level(logging.INFO, logger="erase_fx.step"):
+        for batch in (8, 4):
+            for i in range(calls):
+                times.tuner = step.capture_tunings[-1] if step.capture_tunings else None
+                x, y = inputs(seed=i, batch=batch)
+                assert torch.equal(step(x, y), reference(x, y))
+    assert [t.chosen for t in step.capture_tunings] == [STOCK_CHOICE] * 2
+    assert caplog.text.count("stock (no early blocks) chosen") == 2
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert_trains_like_eager(models, opts)
