@@ -63,6 +63,11 @@ One grammar for every benchmark in ``bench/`` (``bench/paper`` included)::
   ``/graph-end`` (``graph_end_at_return=True``: a single graph's last block
   at its forward's end too, the backward then only scaling where every
   block is early),
+  ``/stock-candidate`` (``stock_candidate=True``: inside ``compile_step`` the
+  stock compilation of each graph with early blocks is the tuning's last
+  candidate, chosen by its rule, the least memory within 2% of the fastest:
+  the row is no slower than stock's but for that tolerance; the choice is
+  in the row's ``capture_chosen``; only ``+step`` variants time it),
   several of these one after another (``/streams=2/stages-on-main``: each
   sets its own options; two that set the same option are an error),
   ``/aot_eager``
@@ -122,6 +127,7 @@ CONTROL_OPTIONS: dict[str, dict[str, Any]] = {
     "all-parts": {"tuning": {"min_part_share": 0.0}},
     "stock-fusion": {"tuning": {"keep_inplace_writes": False}},
     "graph-end": {"tuning": {"graph_end_at_return": True}},
+    "stock-candidate": {"tuning": {"stock_candidate": True}},
     "aot_eager": {"inner": "aot_eager"},
 }
 #: The numbered controls that set a tuning setting (`erase_fx.config.Tuning`), not an option.

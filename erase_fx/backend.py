@@ -18,6 +18,11 @@ Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
 or a stock pass that erase_fx's presence upset) compiles the graph with the
 stock backend instead, with the reason logged and in the report.
 
+With ``Tuning.stock_candidate``, a graph with early blocks compiled inside
+`erase_fx.compile_step` is compiled by the stock backend too, from an
+untouched copy, and the backend returns a switch between the two that the
+step's tuning times (`erase_fx.emit.stock_switch`).
+
 Under DistributedDataParallel (`erase_fx.ddp`): Dynamo's DDP optimizer hands
 this backend whole graphs, not bucket-sized pieces, so blocks keep their
 local losses (a graph with no early block is split as usual), and a graph
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import sys
 import types
@@ -48,6 +54,8 @@ from erase_fx import ddp, passes
 from erase_fx.compilation import GraphCompilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
+from erase_fx.emit.capture_scope import current_scope
+from erase_fx.emit.stock_switch import StockSwitch, stock_candidate_refusal
 from erase_fx.errors import EraseOptionError
 from erase_fx.graph_breaks import TORCH_ROOT, ends_at_graph_break
 from erase_fx.names import input_names, output_names
@@ -56,6 +64,7 @@ from erase_fx.plan import CompileRequest
 from erase_fx.report import publish
 
 _graph_ids = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @ddp.keeps_blocks_whole
@@ -83,15 +92,17 @@ def erase_backend(
                              require_early_blocks=ddp.whole_ddp_graph())
     compilation = GraphCompilation(request)
     # NB: stock compilers take ownership of the graph they compile and may
-    # change it; the fallback compiles an untouched copy.
-    original = copy_graph_module(gm) if cfg.on_error == "fallback" else None
+    # change it; the fallback and the stock candidate compile an untouched copy.
+    stock_candidate = cfg.tuning.stock_candidate and current_scope() is not None
+    original = (copy_graph_module(gm) if cfg.on_error == "fallback" or stock_candidate
+                else None)
     try:
         if cfg.inner == "inductor":
             compiled = _compile_in_stock_inductor(gm, example_inputs, compilation)
         else:
             compiled = _compile_in_aot_autograd(gm, example_inputs, compilation)
     except Exception as error:  # noqa: BLE001 - the documented fallback
-        if original is None or isinstance(error, _NOT_FAILURES):
+        if cfg.on_error != "fallback" or isinstance(error, _NOT_FAILURES):
             raise
         if request.require_early_blocks:
             # NB: a whole DDP graph: Dynamo's DDP optimizer splits it instead, as for the
@@ -106,6 +117,9 @@ def erase_backend(
     publish(report)
     if not compilation.has_early_blocks:
         return compiled
+    if stock_candidate:
+        return _with_stock_candidate(_guarded(compiled, compilation), original,
+                                     example_inputs, compilation)
     return _guarded(compiled, compilation)
 
 
@@ -248,6 +262,37 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.
     return torch._dynamo.disable(run)
+
+
+def _with_stock_candidate(erase: Any, original: fx.GraphModule, example_inputs: Sequence[Any],
+                          compilation: GraphCompilation) -> Any:
+    """Inside a compile_step, with ``Tuning.stock_candidate``: ``original`` compiled by the
+    stock backend too, and a `StockSwitch` between it and ``erase`` (erase's compiled
+    function), unless the graph cannot have one (logged at INFO: `stock_candidate_refusal`)
+    or the stock compile fails (logged; raised under ``on_error="raise"``)."""
+    cfg, graph_id = compilation.cfg, compilation.graph_id
+    forward = compilation.forward
+    planned = forward is not None and forward.updates is not None and bool(forward.updates.planned)
+    why = stock_candidate_refusal(
+        data_parallel=compilation.request.data_parallel is not None,
+        updates_early=planned and current_scope().early_optimizer,
+        example_inputs=example_inputs)
+    if why is not None:
+        log.info("erase_fx graph %d: no stock candidate for compile_step's tuning: %s",
+                 graph_id, why)
+        return erase
+    try:
+        stock = stock_backend(cfg.inner)(original, example_inputs)
+    except Exception as error:  # noqa: BLE001 - the candidate is optional
+        if cfg.on_error == "raise":
+            raise
+        log.warning("erase_fx graph %d: no stock candidate for compile_step's tuning: the "
+                    "stock compile failed: %s: %s", graph_id, type(error).__name__, error)
+        return erase
+    log.info("erase_fx graph %d: compiled by the stock backend too: compile_step's tuning "
+             "times it as its last candidate", graph_id)
+    # NB: like AOTAutograd's own result, Dynamo must not trace into the switch.
+    return torch._dynamo.disable(StockSwitch(erase, stock, graph_id))
 
 
 def make_backend(**options: Any) -> Any:

@@ -23,6 +23,14 @@ caller's real training steps: nothing is run for nothing), and keeps the
 choice whose graph holds the least memory among those within
 `TIME_TOLERANCE` of the fastest.
 
+With ``Tuning.stock_candidate``, a graph compiled with early blocks inside
+compile_step was also compiled by the stock backend, and can run that
+instead (`erase_fx.emit.stock_switch`): the stock program is one more
+candidate, last (``CaptureChoice(stock=True)``), chosen by the same rule, so
+the step is never slower than stock's by more than the tolerance. Its
+compiled code has not run before its capture: compile_step warms the step up
+with it first (`erase_fx.step.tuning`).
+
 The protocol (one `CaptureTuner` per argument signature):
 
 1. the first capture, with the defaults, says what its programs can tune
@@ -33,7 +41,8 @@ The protocol (one `CaptureTuner` per argument signature):
    the next candidate, or, once all are measured, the chosen one (``KEEP``
    when it is the graph in hand). A candidate that frees no sooner and folds
    no less than one already measured too slow is skipped: it makes the
-   streams wait no less, so it is assumed no faster;
+   streams wait no less, so it is assumed no faster (never the stock
+   candidate: a slow erase schedule says nothing of stock's);
 4. a candidate whose capture raises (out of memory: while it is captured
    the last graph's gradients are still alive) ends the tuning with what
    was measured (`capture_failed`), and the choice is captured next.
@@ -64,6 +73,8 @@ TIME_TOLERANCE = 0.02
 KEEP = "keep"
 #: The caching allocator's own pool in a memory snapshot (``segment_pool_id``): no graph's
 DEFAULT_POOL = (0, 0)
+#: The candidate that runs each switchable graph's stock compilation (``Tuning.stock_candidate``)
+STOCK_CHOICE = CaptureChoice(stock=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +95,13 @@ class CaptureMeasurement:
 def candidates_for(met: Sequence[Tunables]) -> tuple[CaptureChoice, ...]:
     """The choices worth trying for what the first capture's programs can tune (``met``: one
     entry per program call): the lags if one can tune ``release_lag``, the widths below its
-    side streams if one can fold more than one side stream; the default first."""
+    side streams if one can fold more than one side stream; the default first; the stock
+    programs last if one can switch to its stock compilation."""
     lags = LAGS if any(t.release_lag for t in met) else (None,)
     widest = max((t.side_streams for t in met if t.side_streams > 1), default=0)
     widths = tuple(w for w in WIDTHS if w is None or w < widest) if widest else (None,)
-    return tuple(CaptureChoice(lag, width) for width in widths for lag in lags)
+    erase = tuple(CaptureChoice(lag, width) for width in widths for lag in lags)
+    return erase + ((STOCK_CHOICE,) if any(t.stock for t in met) else ())
 
 
 def _order(value: int | None) -> float:
@@ -96,7 +109,10 @@ def _order(value: int | None) -> float:
 
 
 def _no_freer(a: CaptureChoice, b: CaptureChoice) -> bool:
-    """``a`` frees no later and folds no less than ``b``: its streams wait no less."""
+    """``a`` frees no later and folds no less than ``b``: its streams wait no less (erase's
+    schedules only: the stock program has no side streams to wait on)."""
+    if a.stock or b.stock:
+        return False
     return _order(a.lag) <= _order(b.lag) and _order(a.width) <= _order(b.width)
 
 
@@ -115,7 +131,7 @@ def next_candidate(measured: Sequence[CaptureMeasurement],
                    candidates: Sequence[CaptureChoice],
                    tolerance: float = TIME_TOLERANCE) -> CaptureChoice | None:
     """The next candidate to measure, or None: the first not measured yet that waits no
-    less than none measured too slow."""
+    less than none measured too slow (the stock program is never skipped: `_no_freer`)."""
     tried = {m.choice for m in measured}
     fastest = min((m.ms for m in measured), default=0.0)
     slow = [m.choice for m in measured if m.ms > fastest * (1 + tolerance)]
@@ -123,6 +139,16 @@ def next_candidate(measured: Sequence[CaptureMeasurement],
         if choice not in tried and not any(_no_freer(choice, s) for s in slow):
             return choice
     return None
+
+
+def erase_over_stock(measured: Sequence[CaptureMeasurement]) -> float | None:
+    """The median time of erase's fastest candidate over the stock program's, or None when
+    either is not measured."""
+    stock = [m.ms for m in measured if m.choice.stock]
+    erase = [m.ms for m in measured if not m.choice.stock]
+    if not stock or not erase or stock[0] <= 0:
+        return None
+    return min(erase) / stock[0]
 
 
 class CaptureTuner:
@@ -183,6 +209,16 @@ class CaptureTuner:
                 return KEEP
         self.choice = choice
         return choice
+
+    def describe(self) -> str:
+        """What was chosen (or is under way), then each candidate measured: its choice, times
+        and pool."""
+        head = (f"{self.chosen.describe()} chosen" if self.done and self.chosen is not None
+                else f"tuning, capturing {self.choice.describe()}")
+        return "; ".join([head, *(m.describe() for m in self.measured)])
+
+    def __repr__(self) -> str:
+        return f"CaptureTuner({self.describe()})"
 
     def capture_failed(self) -> CaptureChoice:
         """The capture with `choice` raised (out of memory, say, while the last graph still

@@ -170,6 +170,22 @@ class Tuning:
             graph (a graph break, a caller's uncompiled forward), as measured
             so far; in a single graph the last block stays in the backward,
             as stock does.
+        stock_candidate: inside `erase_fx.compile_step`, the stock compilation
+            of each graph with early blocks is one more candidate of the
+            tuning (`erase_fx.capture_tuning`): each such graph is compiled
+            twice, by erase_fx and by the stock backend
+            (`erase_fx.backend.stock_backend`), and the step is warmed up
+            and captured once more with the stock program; the tuning keeps
+            it where erase's fastest candidate is slower than it by more than
+            the tolerance (2%), or within it with more memory. What it trades:
+            compile time (every such graph compiled twice) and one more
+            warm-up and capture during the tuning, for a measured guarantee
+            that the captured step is never slower than stock's. Not built
+            under DDP, where the step updates parameters early
+            (``compile_step(early_optimizer=True)`` and a graph with early
+            updates planned), or with dynamic shapes; outside compile_step's
+            captures the graph runs erase's program. ``False`` (default):
+            not yet timed on a GPU.
     """
 
     partitioner: str = "min_cut"
@@ -181,6 +197,7 @@ class Tuning:
     keep_inplace_writes: bool = True
     min_part_share: float = 0.05
     graph_end_at_return: bool = False
+    stock_candidate: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("partitioner", self.partitioner, PARTITIONERS, _TUNING)
@@ -196,8 +213,8 @@ class Tuning:
                         "True, False or None (default None)")
         for name in ("copy_input_values", "recompute_boundary_values", "keep_inplace_writes"):
             _check_type(name, getattr(self, name), bool, _TUNING, "True or False (default True)")
-        _check_type("graph_end_at_return", self.graph_end_at_return, bool, _TUNING,
-                    "True or False (default False)")
+        for name in ("graph_end_at_return", "stock_candidate"):
+            _check_type(name, getattr(self, name), bool, _TUNING, "True or False (default False)")
         if (isinstance(self.min_part_share, bool)
                 or not isinstance(self.min_part_share, (int, float))
                 or not 0 <= self.min_part_share <= 1):

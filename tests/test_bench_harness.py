@@ -86,6 +86,8 @@ def test_erase_options_of_the_controls():
     assert Variant.parse("erase+step/shared-input-values").erase_options["tuning"][
         "copy_input_values"] is False
     assert Variant.parse("erase+step/all-parts").erase_options["tuning"]["min_part_share"] == 0.0
+    assert Variant.parse("erase+step/stock-candidate").erase_options == {
+        "inner": "inductor", "cudagraphs": False, "tuning": {"stock_candidate": True}}
     assert Variant.parse("erase+step/recompute").erase_options["tuning"][
         "recompute_boundary_values"] is True
     assert Variant.parse("erase+step/no-recompute").erase_options["tuning"][

@@ -21,10 +21,12 @@ from erase_fx import capture_tuning, compile_step
 from erase_fx.step import tuning as step_tuning
 from erase_fx.capture_tuning import (
     KEEP,
+    STOCK_CHOICE,
     CaptureMeasurement,
     CaptureTuner,
     candidates_for,
     choose,
+    erase_over_stock,
     next_candidate,
 )
 from erase_fx.config import EraseConfig, Tuning
@@ -50,8 +52,15 @@ def m(lag, ms, mib, width=None):
     return CaptureMeasurement(C(lag, width), ms, ms, ms, mib * MiB)
 
 
+def stock(ms, mib):
+    """The stock program's measurement (``Tuning.stock_candidate``)."""
+    return CaptureMeasurement(STOCK_CHOICE, ms, ms, ms, mib * MiB)
+
+
 def key(choice):
-    """How the tests' tables name a choice: its lag, or (lag, width) when folded."""
+    """How the tests' tables name a choice: its lag, or (lag, width) when folded; "stock"."""
+    if choice.stock:
+        return "stock"
     return choice.lag if choice.width is None else (choice.lag, choice.width)
 
 
@@ -93,6 +102,39 @@ def test_next_candidate_skips_what_waits_no_less_than_a_slow_one():
     # two streams too slow: every folded candidate goes
     assert next_candidate([m(None, 10.0, 500), m(2, 10.0, 400), m(1, 10.0, 300),
                            m(None, 12.0, 200, width=2)], both) is None
+
+
+def test_a_program_that_can_run_stock_adds_the_stock_candidate_last():
+    assert STOCK_CHOICE == C(stock=True) and STOCK_CHOICE.describe() == "stock (no early blocks)"
+    assert candidates_for([T(stock=True)]) == (C(), STOCK_CHOICE)
+    assert candidates_for([T(release_lag=True), T(stock=True)]) == (*LAGS_ONLY, STOCK_CHOICE)
+    assert candidates_for([T(stock=True), T(side_streams=4)]) == (
+        C(None), C(None, 2), STOCK_CHOICE)
+    assert STOCK_CHOICE not in candidates_for([T(release_lag=True), T(side_streams=4)])
+
+
+def test_next_candidate_never_skips_stock_for_a_slow_erase_schedule():
+    with_stock = (*LAGS_ONLY, STOCK_CHOICE)
+    # lag 2 too slow: lag 1 is skipped, stock is not
+    assert next_candidate([m(None, 10.0, 500), m(2, 12.0, 400)], with_stock) == STOCK_CHOICE
+    # the default too slow: stock waits on nothing like it
+    assert next_candidate([m(None, 12.0, 500), m(2, 10.0, 400), m(1, 10.0, 300)],
+                          with_stock) == STOCK_CHOICE
+    assert next_candidate([m(None, 12.0, 500)], (C(), STOCK_CHOICE)) == STOCK_CHOICE
+    # a slow stock program skips no erase schedule either
+    assert next_candidate([stock(20.0, 100), m(None, 10.0, 500)],
+                          (STOCK_CHOICE, C(None), C(2))) == C(2)
+    assert next_candidate([m(None, 10.0, 500), stock(9.0, 100)], (C(), STOCK_CHOICE)) is None
+
+
+def test_choose_takes_stock_where_erase_is_slower_or_as_fast_with_more_memory():
+    assert choose([m(None, 13.5, 300), stock(10.0, 600)]) == STOCK_CHOICE  # erase slower
+    assert choose([m(None, 10.1, 300), m(2, 12.0, 200), stock(10.0, 600)]) == C(None)
+    assert choose([m(None, 9.9, 500), stock(10.0, 400)]) == STOCK_CHOICE  # within 2%, smaller
+    assert choose([m(None, 9.9, 500), stock(10.0, 600)]) == C(None)  # within 2%, larger
+    assert choose([m(None, 9.0, 500), stock(10.0, 400)]) == C(None)  # erase faster by more
+    assert erase_over_stock([m(None, 13.5, 300), m(2, 12.0, 200), stock(10.0, 600)]) == 1.2
+    assert erase_over_stock([m(None, 13.5, 300)]) is None
 
 
 class FakeTimes:
@@ -167,6 +209,19 @@ def test_the_tuner_keeps_the_graph_in_hand_when_it_is_the_choice(monkeypatch):
     tuner = CaptureTuner(LAGS_ONLY)
     assert run_tuner(tuner, times, {None: 500, 2: 300, 1: 250}) == [None, 2, 1]
     assert tuner.chosen == C(1)
+
+
+def test_the_tuner_measures_stock_last_and_keeps_it_in_hand_when_faster(monkeypatch):
+    times = FakeTimes(monkeypatch, {None: 13.0, 2: 13.5, 1: 14.0, "stock": 10.0})
+    tuner = CaptureTuner(candidates_for([T(release_lag=True), T(stock=True)]))
+    captured = run_tuner(tuner, times, {None: 500, 2: 300, 1: 250, "stock": 400})
+    # 2 too slow: 1 skipped, stock measured, fastest and kept (no capture again)
+    assert captured == [None, 2, "stock"] and tuner.chosen == STOCK_CHOICE
+    assert tuner.describe().startswith(
+        "stock (no early blocks) chosen; release_lag=None, side_cuda_streams=None: 13.000 ms")
+    assert tuner.describe().endswith("; stock (no early blocks): 10.000 ms (10.000-10.000), "
+                                     "400 MiB")
+    assert repr(tuner) == f"CaptureTuner({tuner.describe()})"
 
 
 def test_the_tuner_folds_streams_where_that_is_as_fast_and_smaller(monkeypatch):
@@ -388,7 +443,8 @@ def test_when_the_pools_are_released_no_grad_of_a_dropped_capture_is_alive(fake_
 
 def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cuda, monkeypatch):
     """A float lr changed while candidate 2 is timed: warm-up and a capture of 2 again (a
-    recapture, counted as such); its timings start over; training stays exact."""
+    recapture, counted as such; the warm-ups run with 2, the choice of the capture they
+    prepare); its timings start over; training stays exact."""
     step, reference, times, asking, models, opts = tuned_training(
         monkeypatch, {None: 10.0, 2: 10.1, 1: 12.0}, {None: 500, 2: 300, 1: 250})
     train(step, reference, times, 3 + (capture_tuning.TIMED_REPLAYS + 1) + 3)
@@ -400,7 +456,7 @@ def test_a_guard_failing_during_the_tuning_recaptures_the_same_candidate(fake_cu
     assert tuner.done and tuner.chosen == C(2)
     assert [m.choice.lag for m in tuner.measured] == [None, 2, 1]
     assert (step.captures, step.tuning_captures) == (2, 3)
-    assert asking.lags[-10:] == [None] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
+    assert asking.lags[-10:] == [2] * 4 + [2, 2, 1, 1, 2, 2]  # warm-ups, then the captures
     assert_trains_like_eager(models, opts)
 
 

@@ -116,6 +116,7 @@ def test_bad_values(changes):
     {"partitioner": "greedy"},
     {"copy_input_values": 1}, {"recompute_boundary_values": 1},
     {"keep_inplace_writes": "yes"},
+    {"stock_candidate": 1}, {"stock_candidate": None},
     {"stages_on_side": "yes"},
     {"min_part_share": -0.01}, {"min_part_share": 1.5}, {"min_part_share": float("nan")},
     {"min_part_share": True}, {"min_part_share": "0.1"},

@@ -13,7 +13,10 @@ the CUDA graphs around them), both at run time:
 - a program built with ``release_lag="auto"`` or ``side_cuda_streams="auto"``
   says what it can tune (`Tunables`), and compile_step sets, for each of its
   captures, the values it runs with (`CaptureChoice`): it tries candidates
-  and keeps one (`erase_fx.capture_tuning`).
+  and keeps one (`erase_fx.capture_tuning`); a graph compiled with
+  ``Tuning.stock_candidate`` can also run its stock compilation instead
+  (`erase_fx.emit.stock_switch.StockSwitch`), which compile_step warms up
+  before its capture, that warm-up running with the choice too.
 
 Both go through the `StepScope` that compile_step owns. The user's step
 function sits between compile_step and the programs (compile_step calls it;
@@ -22,8 +25,8 @@ be handed down as an argument: compile_step makes its scope the current one
 around each warm-up and capture call (`StepScope.entered`, a context variable
 set and reset around the call, never left set), and each program that runs
 meets the current scope (`meet`): the scope keeps the programs of its step and
-sets on each the choice of the capture under way (`StepScope.trying`), the
-defaults at any other time.
+sets on each the choice of the warm-up or capture under way
+(`StepScope.trying`), the defaults at any other time.
 
 "auto" outside compile_step's captures: the defaults, deliberately
 (``release_lag`` None: what the main stream made and side streams read is
@@ -53,17 +56,23 @@ from typing import Any, Protocol
 
 @dataclasses.dataclass(frozen=True)
 class CaptureChoice:
-    """How a captured run of a program releases memory and on how many CUDA streams it runs.
+    """How a captured run of a program releases memory and on how many CUDA streams it runs,
+    or whether its graph runs its stock compilation instead.
 
     Attributes:
         lag: ``release_lag`` (None: held to the join).
         width: ``side_cuda_streams`` (None: one CUDA stream per side stream).
+        stock: the graphs that can (`Tunables.stock`) run their stock compilation, with no
+            early block; the others run as with the defaults.
     """
 
     lag: int | None = None
     width: int | None = None
+    stock: bool = False
 
     def describe(self) -> str:
+        if self.stock:
+            return "stock (no early blocks)"
         return f"release_lag={self.lag}, side_cuda_streams={self.width}"
 
 
@@ -80,10 +89,13 @@ class Tunables:
             frees memory (some tensor the main stream makes is read only on side streams).
         side_streams: with ``side_cuda_streams="auto"``, how many side streams it has, which
             could fold onto fewer CUDA streams; 0 with a fixed value.
+        stock: it can run its graph's stock compilation instead (``Tuning.stock_candidate``:
+            `erase_fx.emit.stock_switch.StockSwitch`).
     """
 
     release_lag: bool = False
     side_streams: int = 0
+    stock: bool = False
 
 
 class Tunable(Protocol):
@@ -103,15 +115,19 @@ class StepScope:
     """One `erase_fx.compile_step`'s: the programs its step runs, and what it sets on them.
 
     Attributes:
-        choice: what the programs run with: the capture's under way (`trying`), else
-            `DEFAULT_CHOICE`.
+        choice: what the programs run with: the warm-up's or capture's under way
+            (`trying`), else `DEFAULT_CHOICE`.
         session: the early-update session of the capture under way
             (`erase_fx.early_update.open_session`), or None.
+        early_optimizer: the step's captures update early blocks' parameters during the
+            forward (``compile_step(early_optimizer=True)``): a graph with early updates
+            planned then gets no stock candidate (`erase_fx.emit.stock_switch`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, early_optimizer: bool = False) -> None:
         self.choice = DEFAULT_CHOICE
         self.session: Any = None
+        self.early_optimizer = early_optimizer
         # NB: held weakly: a recompiled graph's old program goes with its compiled code
         self._programs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._met: list[Tunables] | None = None
@@ -140,9 +156,10 @@ class StepScope:
 
     @contextlib.contextmanager
     def trying(self, choice: CaptureChoice) -> Iterator[list[Tunables]]:
-        """Inside (one capture of the step): every program of the step runs with ``choice``,
-        those met before set now, the others as they run; yields what each program that
-        runs can tune, one entry per call (none: nothing to try). After: the defaults again.
+        """Inside (one capture of the step, or a warm-up before one): every program of the
+        step runs with ``choice``, those met before set now, the others as they run; yields
+        what each program that runs can tune, one entry per call (none: nothing to try).
+        After: the defaults again.
         A scope that is not the current one (a step inside a step) sets and notes nothing."""
         if _CURRENT.get() is not self:
             yield []

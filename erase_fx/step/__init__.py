@@ -40,7 +40,9 @@ captured with an erase program whose ``release_lag`` or ``side_cuda_streams`` is
       dropped and the next call captures the next candidate (not counted toward
       ``max_captures``), until the chosen one is in hand (`erase_fx.capture_tuning`); every
       call is still one real step; a candidate whose capture fails ends the tuning with what
-      was measured
+      was measured; with ``Tuning.stock_candidate``, the stock compilation of erase's graphs
+      is the last candidate, and WARM-UP comes again before its capture (its code never ran),
+      with its choice set
 ``max_captures`` reached, argument not capturable ─► UNCAPTURED (run as written; reason logged once)
 capture failed (a host sync, a non-capturable optimizer) ─► restore the Python state the capture
       touched, then UNCAPTURED from then on (``on_unsupported="fallback"``) or raise

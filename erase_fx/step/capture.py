@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from erase_fx.capture_tuning import CaptureTuner
 from erase_fx.early_update import open_session
 from erase_fx.graph_breaks import TORCH_ROOT
-from erase_fx.emit.capture_scope import CaptureChoice, StepScope, Tunables
+from erase_fx.emit.capture_scope import DEFAULT_CHOICE, CaptureChoice, StepScope, Tunables
 from erase_fx.step.arguments import unflatten
 from erase_fx.step.guards import Guards
 from erase_fx.step.uses import StepUses
@@ -115,7 +115,7 @@ class Capturer:
         self.fn = fn
         self.uses = uses
         self.early_optimizer = early_optimizer
-        self.scope = StepScope()
+        self.scope = StepScope(early_optimizer)
         self._side: Any = None
 
     def side_stream(self) -> Any:
@@ -123,16 +123,19 @@ class Capturer:
             self._side = torch.cuda.Stream()
         return self._side
 
-    def warm_up(self, args: tuple, kwargs: dict, leaves: list[Any]) -> tuple[Any, set[int]]:
-        """One call as written, on the side stream: what it returned, and the indices of the
-        tensor arguments it changed in place."""
+    def warm_up(self, args: tuple, kwargs: dict, leaves: list[Any],
+                choice: CaptureChoice = DEFAULT_CHOICE) -> tuple[Any, set[int]]:
+        """One call as written, on the side stream, erase's programs running with ``choice``
+        (the next capture's): what it returned, and the indices of the tensor arguments it
+        changed in place."""
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         versions = [t._version for _, t in tensors]
         current = torch.cuda.current_stream()
         side = self.side_stream()
         side.wait_stream(current)
         try:
-            with self.uses.recording(), self.scope.entered(), torch.cuda.stream(side):
+            with self.uses.recording(), self.scope.entered(), self.scope.trying(choice), \
+                    torch.cuda.stream(side):
                 out = self.fn(*args, **kwargs)
         finally:
             current.wait_stream(side)

@@ -224,7 +224,8 @@ class CompiledStep:
 
     def _warm_up(self, entry: Entry, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         self._uses.install_module_hook(self)
-        out, mutated = self._capturer.warm_up(args, kwargs, leaves)
+        out, mutated = self._capturer.warm_up(args, kwargs, leaves,
+                                              self._tuning.choice_for(entry))
         entry.mutated.update(mutated)
         entry.warmups += 1
         entry.hooked = self._uses.module_hook_installed

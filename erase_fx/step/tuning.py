@@ -8,6 +8,15 @@ are timed; after a few, the graph is dropped and the next call captures the
 next candidate (not counted toward ``max_captures``), until the chosen one
 is in hand; a candidate whose capture fails ends the tuning with what was
 measured. Every call is still one real training step.
+
+The stock candidate (``Tuning.stock_candidate``: `erase_fx.emit.stock_switch`)
+is a program whose compiled code has never run: capturing it cold would
+initialise it under the capture, which fails. Before its capture the graph
+in hand is dropped with the warm-ups of a new signature (``warmup`` real
+steps, uncaptured), and those warm-ups run with the candidate's choice set
+on the programs, as every warm-up runs with the choice of the capture it
+prepares (`choice_for`). If stock's program is chosen, a warning says by
+how much erase's fastest candidate was slower, once per step.
 """
 from __future__ import annotations
 
@@ -16,7 +25,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from erase_fx.capture_tuning import KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, pool_bytes
+from erase_fx.capture_tuning import (
+    KEEP, TIME_TOLERANCE, CaptureTuner, candidates_for, erase_over_stock, pool_bytes,
+)
 from erase_fx.emit.capture_scope import DEFAULT_CHOICE, CaptureChoice, Tunables
 from erase_fx.step.capture import Entry
 
@@ -36,6 +47,7 @@ class StepTuning:
     def __init__(self, name: Callable[[], str], end_module_discovery: Callable[[], None]):
         self.tuners: list[CaptureTuner] = []
         self.captures = 0
+        self._warned_stock = False
         self._name = name
         self._end_module_discovery = end_module_discovery
 
@@ -46,7 +58,8 @@ class StepTuning:
 
     @staticmethod
     def choice_for(entry: Entry) -> CaptureChoice:
-        """What the next capture of ``entry`` sets on its programs."""
+        """What the next capture of ``entry``, and the warm-ups before it, set on its
+        programs."""
         return entry.tuner.choice if entry.tuner is not None else DEFAULT_CHOICE
 
     @staticmethod
@@ -95,15 +108,33 @@ class StepTuning:
             return
         verdict = tuner.next_capture()
         if tuner.done:
-            log.info("erase_fx compile_step %s: %s chosen (least memory within %.0f%% of the "
-                     "fastest): %s", self._name(), tuner.chosen.describe(),
-                     100 * TIME_TOLERANCE, "; ".join(m.describe() for m in tuner.measured))
+            self._log_choice(tuner)
         if verdict == KEEP:
             if tuner.done:
                 self.end()
             return
-        entry.drop(warm_up_again=False)
+        # NB: the stock program's compiled code has never run: warm it up before its capture
+        entry.drop(warm_up_again=verdict.stock)
         entry.tuning_capture = True
+        if verdict.stock:
+            log.info("erase_fx compile_step %s: warming up with %s before its capture (its "
+                     "compiled code has not run yet)", self._name(), verdict.describe())
+
+    def _log_choice(self, tuner: CaptureTuner) -> None:
+        """The tuning's choice with every candidate's time and memory; if it is the stock
+        program, a warning (once per step) with how much slower erase was."""
+        log.info("erase_fx compile_step %s: %s chosen (least memory within %.0f%% of the "
+                 "fastest): %s", self._name(), tuner.chosen.describe(), 100 * TIME_TOLERANCE,
+                 "; ".join(m.describe() for m in tuner.measured))
+        ratio = erase_over_stock(tuner.measured)
+        if not tuner.chosen.stock or ratio is None or self._warned_stock:
+            return
+        self._warned_stock = True
+        log.warning("erase_fx compile_step %s: erase's fastest candidate took %.2fx the time of "
+                    "the stock program on this step, so the step runs the stock program (no "
+                    "early blocks; Tuning.stock_candidate: the least memory within %.0f%% of the "
+                    "fastest); erase_fx.explain(model, *inputs) says what erase found",
+                    self._name(), ratio, 100 * TIME_TOLERANCE)
 
     def capture_failed(self, entry: Entry, choice: CaptureChoice, reason: str) -> None:
         """A candidate's capture raised: the tuning ends with what it measured, and the next
