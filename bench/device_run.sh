@@ -282,6 +282,11 @@
 #                                      detached, copied, allocated), reduce-overhead against
 #                                      erase+graphs on DGL ResNet-18 and mlp:128 (~5 min, not yet
 #                                      run)
+#   bash bench/device_run.sh stock-a   compile_step's stock candidate (erase+step/stock-candidate:
+#                                      Tuning.stock_candidate) against erase+step and
+#                                      inductor+step on the local-loss VGG (erase 1.35x slower
+#                                      on 2026-12-05), mlp:128 and DGL ResNet-18 (erase faster:
+#                                      stock must not be chosen) (~9 min, not yet run)
 #   bash bench/device_run.sh launch-a  the host time of one CUDA graph replay by the graph's shape
 #                                      (bench.graph_launch: one chain, one chain over two streams,
 #                                      2 and 4 parallel branches; why erase's replays cost 85-265
@@ -344,7 +349,7 @@ case "${1:-}" in
   models-a|models-b|models-c|models-d) ;;
   checks|towers|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|paper) ;;
   frameworks-a|frameworks-b) ;;
-  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof|launch-a|dropin-c) ;;
+  patterns-a|patterns-b|dropin-a|dropin-b|patterns-prof|launch-a|dropin-c|stock-a) ;;
   plan-a|plan-b|plan-c|plan-d) ;;
   *) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 2 ;;  # NB: the header, however long
 esac
@@ -919,6 +924,10 @@ print('torch', torch.__version__, {k: getattr(c.triton, k, 'absent')
     run dropin-b mlp:128:2000:2000:4,gpt:16:384:256:8,tv-resnet18-dgl:256:32 \
       reduce-overhead,erase+graphs,erase+graphs/graph-end,inductor+step,erase+step,erase+step/graph-end \
       --sweep-configs '' --trials 5 || true ;;
+  stock-a)
+    run stock-a pattern-vgg_local_loss:256:64:4,mlp:128:2000:2000:4,tv-resnet18-dgl:256:32 \
+      inductor+step,erase+step,erase+step/stock-candidate --sweep-configs '' --trials 5 \
+      2>&1 | grep -v '^erase_fx: graph' || true ;;
   dropin-c)
     for config in tv-resnet18-dgl:256:32 mlp:128:2000:2000:4; do
       timeout 150 python3 -m bench.overhead --config "$config" --top 40 --steps 50 --shapes \
