@@ -280,6 +280,23 @@ def test_every_reason_a_call_runs_without_its_graph(graphed, monkeypatch):
     del grads
 
 
+def test_a_program_that_left_its_graph_end_blocks_to_the_backward_still_replays(graphed):
+    """Disarmed (`erase_fx.emit.graph_end`), a program's forwards run without the graph
+    leave those blocks to the backward; its replays run them as captured: a disarm never
+    costs the forward its graph."""
+    import types
+
+    fw, bw, w = graphed
+    fw.fn.graph_end = types.SimpleNamespace(armed=False)
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        loss, (grad, early) = step(fw, bw, w, x)
+        expected_loss, h, expected_early = forward([x, w])
+        assert torch.equal(loss, expected_loss) and torch.equal(early, expected_early)
+        del grad, early
+    assert (fw.calls, fw.replays) == (3, 2)
+
+
 def test_a_backwards_gradients_still_held_block_its_replay(graphed):
     # defensive: the forward does not replay over them either, so this is
     # reached only by a backward over the last replay's saved tensors

@@ -481,3 +481,21 @@ def test_a_forward_under_capture_whose_graph_is_freed_keeps_the_program_armed(pr
     run(x, y)
     gc.collect()
     assert not graph_end.armed  # outside capture, the same pattern disarms
+
+
+def test_a_captured_backward_neither_waits_nor_takes_the_pending_events(monkeypatch):
+    """Under capture a backward belongs to a captured (or replayed) forward, which joined its
+    blocks at its end: it waits for nothing (a wait under capture on an event recorded
+    outside it is an error), and leaves the events of forwards run without a graph to their
+    own backwards."""
+    graph_end = graph_end_module.GraphEnd("test")
+    graph_end.pending = ["event of an uncaptured forward"]
+    waited = []
+    backward = graph_end_module.GraphEndBackward(
+        lambda args: ["grads"], graph_end, [], run_stashed=None, wait=waited.append)
+    monkeypatch.setattr(graph_end_module, "stream_capturing", lambda: True)
+    assert backward([]) == ["grads"]
+    assert waited == [] and graph_end.pending == ["event of an uncaptured forward"]
+    monkeypatch.setattr(graph_end_module, "stream_capturing", lambda: False)
+    assert backward([]) == ["grads"]
+    assert waited == [["event of an uncaptured forward"]] and graph_end.pending == []

@@ -63,6 +63,13 @@ Rules that keep replay exact (each one has a test on the GPU in
 - **retain_graph=True.** The backward's graph scales early gradients in
   place (`erase_fx.emit.scale_grads`); a backward that keeps its graph runs
   without the CUDA graph, so a second backward reads unscaled saved tensors.
+- **Blocks at a graph's end** (`erase_fx.emit.graph_end`). A capture runs
+  them at the forward's end and joins them, so a replay does too, whether or
+  not the program has disarmed: disarming (after one forward whose backward
+  never came, say a metric computed with grad enabled) changes the forwards
+  run without the graph only. A forward with no backward then pays for those
+  blocks inside its replay, where leaving every later forward unreplayed would
+  pay for every kernel's launch.
 """
 from __future__ import annotations
 
@@ -110,9 +117,6 @@ class Unreplayed(str, enum.Enum):
     NOT_AFTER_A_REPLAY = "not_after_a_replay"
     #: a backward: gradients of its last replay are still held
     GRADIENTS_IN_USE = "gradients_in_use"
-    #: a forward whose blocks at the graph's end are left to the backward
-    #: (`erase_fx.emit.graph_end`: its backward did not always come)
-    GRAPH_END_IN_BACKWARD = "graph_end_in_backward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +244,6 @@ class GraphedForward(Boxed):
             return Unreplayed.CAPTURE_FAILED
         if self.calls == 1:
             return Unreplayed.WARM_UP
-        graph_end = getattr(self.fn, "graph_end", None)
-        if graph_end is not None and not graph_end.armed:
-            return Unreplayed.GRAPH_END_IN_BACKWARD
         if self.inside_step or stream_capturing():
             return Unreplayed.INSIDE_CAPTURE
         if self.graph is not None and (self.memory.in_use() or (

@@ -157,6 +157,13 @@ class GraphEndBackward(Boxed):
         self.wait = wait
 
     def __call__(self, args: list[Any]) -> Any:
+        if stream_capturing():
+            # NB: captured, this backward is a captured or replayed forward's, which joined
+            # its blocks at its end: nothing to wait for, and waiting under capture on an
+            # event recorded outside it is an error. The pending events are those of
+            # forwards run without a graph, for their own backwards (or never: one whose
+            # backward did not come disarmed the program).
+            return self.fn(args)
         pending, self.graph_end.pending = self.graph_end.pending, []
         if pending:
             self.wait(pending)
