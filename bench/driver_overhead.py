@@ -23,23 +23,8 @@ import time
 
 import torch
 
+from bench.harness import build_step
 from bench.models import build_config, parse_config
-
-
-def step_of(model: torch.nn.Module, inputs: tuple, backend: str, inner: str):
-    """One training step (zero_grad, forward, backward) of a compiled copy of ``model``."""
-    model = copy.deepcopy(model)
-    if backend == "stock":
-        compiled = torch.compile(model, backend=inner)
-    else:
-        compiled = torch.compile(model, backend="erase",
-                                 options={"inner": inner, "on_error": "raise"})
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        compiled(*inputs).backward()
-
-    return step
 
 
 def measure(config: str, inner: str, rounds: int, steps: int,
@@ -47,9 +32,11 @@ def measure(config: str, inner: str, rounds: int, steps: int,
     """Per backend, the microseconds per step of each round."""
     torch.manual_seed(0)
     model, inputs = build_config(parse_config(config), device)
-    runs = {backend: step_of(model, inputs, backend, inner) for backend in ("stock", "erase")}
+    # NB: stock is torch.compile(backend=inner); each its own copy of the model
+    runs = {backend: build_step(variant, copy.deepcopy(model), inputs, inner=inner).step
+            for backend, variant in (("stock", "inductor"), ("erase", "erase"))}
     for step in runs.values():
-        for _ in range(20):  # compile, then warm
+        for _ in range(20):  # warm
             step()
     times: dict[str, list[float]] = {backend: [] for backend in runs}
     for _ in range(rounds):
