@@ -56,13 +56,7 @@ from erase_fx.emit.inductor_segments import (
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.graph_end import GraphEndBackward
-from erase_fx.emit.live_tangents import (
-    LiveTangents,
-    SelectedBackward,
-    WatchedLoss,
-    output_index,
-    output_indices,
-)
+from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, WatchedLoss, plain_outputs
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
 from erase_fx.guards import BackwardGuard
@@ -309,9 +303,12 @@ class GraphCompilation:
         self._handle_unsupported(found.artifact)
         blocks = found.artifact.blocks
         other = sorted({t for b in blocks for t in b.other_tangents})
-        watched = output_indices(found.gm, other) if other else None
-        losses = [WatchedLoss(index, b.id, where.output(b.tangent)) for b in blocks
-                  if (index := output_index(found.gm, b.tangent)) is not None]
+        outputs = plain_outputs(found.gm)
+        # NB: the other outputs are watched all or none (one node's pre-hook sees them all)
+        watched = (tuple(sorted(outputs[t] for t in other))
+                   if other and all(t in outputs for t in other) else None)
+        losses = [WatchedLoss(outputs[b.tangent], b.id, where.output(b.tangent))
+                  for b in blocks if b.tangent in outputs]
         if watched is None and not losses:
             return FoundBlocks(found.artifact, where)
         live = LiveTangents(watched or (), losses, graph=f"graph {self.graph_id}")

@@ -48,24 +48,17 @@ from erase_fx.emit.inner import Boxed
 log = logging.getLogger(__name__)
 
 
-def output_index(joint: fx.GraphModule, tangent: str) -> int | None:
-    """The compiled graph's output index ``tangent`` (a joint-graph placeholder name) is the
-    gradient of, from AOTAutograd's descriptor; None unless it is a plain user output's."""
+def plain_outputs(joint: fx.GraphModule) -> dict[str, int]:
+    """Each tangent (a joint-graph placeholder, by name) that is a plain user output's
+    gradient: that output's index in the compiled graph, from AOTAutograd's descriptors."""
     from torch._functorch._aot_autograd.descriptors import PlainAOTOutput
 
+    found = {}
     for node in joint.graph.find_nodes(op="placeholder"):
-        if node.name == tangent:
-            output = getattr(node.meta.get("desc"), "output", None)
-            return output.idx if isinstance(output, PlainAOTOutput) else None
-    return None
-
-
-def output_indices(joint: fx.GraphModule, tangents: Sequence[str]) -> tuple[int, ...] | None:
-    """`output_index` of each of ``tangents``, sorted; None unless each has one."""
-    found = {output_index(joint, t) for t in tangents}
-    if None in found or len(found) != len(set(tangents)):
-        return None
-    return tuple(sorted(found))
+        output = getattr(node.meta.get("desc"), "output", None)
+        if isinstance(output, PlainAOTOutput):
+            found[node.name] = output.idx
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
