@@ -118,19 +118,23 @@ def check_scale_kernel(device):
 
     problems = []
     shapes = [(2000, 2000), (1, 1), (17,), (1000, 3), (3, 1000), (64, 50000), (5, 7, 9)] * 2
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    # NB: the backward hands 16-bit gradients a float32 scale (65536 is no float16)
+    cases = [(dtype, scale_dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+             for scale_dtype in dict.fromkeys((dtype, torch.float32))]
+    for dtype, scale_dtype in cases:
         for scale_value in (1.0, 3.0, 0.5, 65536.0, float("nan")):
             tensors = [torch.randn(s, device=device).to(dtype) for s in shapes]
             tensors[1::3] = [t.t() if t.dim() == 2 else t for t in tensors[1::3]]
             kept = [t.clone() for t in tensors]
-            scale = torch.tensor(scale_value, device=device, dtype=dtype)
+            scale = torch.tensor(scale_value, device=device, dtype=scale_dtype)
             scale_unless_one_(tensors, scale)
             for got, before in zip(tensors, kept):
                 want = before if scale_value == 1.0 else before * scale
                 same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
                     got.nan_to_num(), want.nan_to_num())
                 if not same:
-                    problems.append(f"{dtype} scale {scale_value} shape {tuple(got.shape)}")
+                    problems.append(f"{dtype} scale {scale_value} ({scale_dtype}) "
+                                    f"shape {tuple(got.shape)}")
     # under capture: replay with a scale of 1, then of 2
     tensors = [torch.randn(s, device=device) for s in shapes]
     scale = torch.ones((), device=device)

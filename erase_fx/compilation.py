@@ -441,7 +441,7 @@ class GraphCompilation:
         if planned is None:
             return None
         return UpdatePlan(grads, tuple(planned), unprovable_loss_gradient(
-            self.joint.differentiable_outputs, self.cfg.seed))
+            self.joint.differentiable_outputs, self.cfg.early_seed))
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""

@@ -269,8 +269,14 @@ class EraseConfig:
             loss gradient (1 for ``loss.backward()``, the scale for
             ``scaler.scale(loss).backward()``), multiplying in place, and skips
             that pass over the early grads (on the device) when ``T == seed``.
-            Set it near a GradScaler's scale when the early grads are fp16, so
-            small grads do not underflow.
+            ``None`` (default): 1, and a block whose backward computes in
+            float16 stays in the backward (reason ``float16_seed``): float16
+            gradients computed at 1 and scaled to a GradScaler's ``T`` (65536
+            at its start) underflow where the backward run with ``T`` does not.
+            Give the scale your scaler runs at to run those blocks early; an
+            early backward that overflows at the seed does so at every step,
+            so take one the scaler does not back off from. bfloat16 and float32
+            need no seed.
         cudagraphs: replay the compiled forward (side streams included) and
             backward from CUDA graphs, so a step costs two launches instead
             of one per kernel. ``None`` (default): on for graphs on a CUDA
@@ -314,7 +320,7 @@ class EraseConfig:
 
     streams: int = 4
     inner: str = "inductor"
-    seed: float = 1.0
+    seed: float | None = None
     cudagraphs: bool | None = None
     overlap: bool = True
     early_allreduce: bool = True
@@ -329,10 +335,10 @@ class EraseConfig:
                                    "an integer >= 0 (0: the forward in one graph, no side stream)")
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("on_error", self.on_error, ON_ERROR)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, float)):
-            raise EraseOptionError("seed", self.seed, "a finite non-zero float")
-        if not math.isfinite(self.seed) or self.seed == 0:
-            raise EraseOptionError("seed", self.seed, "a finite non-zero float")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, (int, float))
+                                      or not math.isfinite(self.seed) or self.seed == 0):
+            raise EraseOptionError("seed", self.seed, "a finite non-zero float, or None")
         if self.cudagraphs is not None:
             _check_type("cudagraphs", self.cudagraphs, bool)
         _check_type("overlap", self.overlap, bool)
@@ -365,3 +371,8 @@ class EraseConfig:
 
     def replace(self, **changes: Any) -> EraseConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def early_seed(self) -> float:
+        """The loss gradient the early backward runs with: ``seed``, 1 where it is None."""
+        return 1.0 if self.seed is None else float(self.seed)

@@ -39,7 +39,12 @@ How:
      (``small_part``, the cost check below). The reasons say, in the model's
      module names, which loss terms meet where, and why a part cannot run
      early;
-  7. an early block whose loss terms meet in such sums and become ready at
+  7. with no ``cfg.seed`` given, a piece whose backward computes in float16
+     stays in the backward (``float16_seed``): its early copy would run at
+     seed 1 while a loss scaler's ``T`` is its scale, and float16 gradients
+     computed at one and scaled to the other underflow (or overflow) where
+     the backward run with ``T`` does not;
+  8. an early block whose loss terms meet in such sums and become ready at
      different points is cut in pieces (`Component.pieces`): each term's
      part launches at its own ready point, the rest (the sums and what
      follows) after the last part, all on the block's stream (`_in_pieces`).
@@ -82,6 +87,7 @@ from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from erase_fx.errors import GraphInvariantError
@@ -120,6 +126,7 @@ class RejectReason(str, enum.Enum):
     NOT_LINEAR = "not_linear"
     JOINS_BLOCKS = "joins_blocks"
     SMALL_PART = "small_part"
+    FLOAT16_SEED = "float16_seed"
 
     @property
     def is_unsupported(self) -> bool:
@@ -283,7 +290,8 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     latest = max((facts.ready_position(c) for c in components if c.grad_outputs), default=-1)
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
-                                        ctx.cfg.tuning.min_part_share, graph_end)
+                                        ctx.cfg.tuning.min_part_share, graph_end,
+                                        float16_needs_seed=ctx.cfg.seed is None)
     early.sort(key=lambda judged: facts.order(judged[0]))
     blocks = []
     for i, (comp, (loss, seed, _)) in enumerate(early):
@@ -486,6 +494,7 @@ def _judge_components(
     backward_flops: int,
     min_part_share: float,
     graph_end: bool = False,
+    float16_needs_seed: bool = False,
 ) -> tuple[list[tuple[Component, LossSeed]], list[Rejected]]:
     """Each component early (whole, in pieces, or its parts split at sums), with its loss
     seed, or rejected, and why.
@@ -499,11 +508,11 @@ def _judge_components(
     """
 
     def judge(comp: Component) -> _Verdict:
-        return _reject_reason(comp, facts, latest)
+        return _reject_reason(comp, facts, latest, float16_needs_seed)
 
     def judge_at_end(comp: Component) -> _Verdict:
         # NB: the ready point judged as if a later one existed: the graph's end
-        return _reject_reason(comp, facts, latest + 1)
+        return _reject_reason(comp, facts, latest + 1, float16_needs_seed)
 
     def judge_part(part: Component) -> _Verdict:
         why = judge(part)
@@ -631,7 +640,8 @@ class _Verdict(NamedTuple):
     loss: LossSeed | None = None
 
 
-def _reject_reason(comp: Component, facts: Dataflow, latest: int) -> _Verdict:
+def _reject_reason(comp: Component, facts: Dataflow, latest: int,
+                   float16_needs_seed: bool = False) -> _Verdict:
     by_name = facts.by_name
     if not comp.grad_outputs and not comp.partials:
         return _Verdict(RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input",
@@ -658,7 +668,25 @@ def _reject_reason(comp: Component, facts: Dataflow, latest: int) -> _Verdict:
             return _Verdict(RejectReason.MUTATION, f"{node.target} mutates its input", name, loss)
     if loss.nonlinear is not None:
         return _Verdict(RejectReason.NOT_LINEAR, loss.nonlinear[1], loss.nonlinear[0], loss)
+    if float16_needs_seed:
+        in_float16 = next((name for name in comp.seeds + comp.nodes
+                           if _dtype_of(by_name[name]) == torch.float16), None)
+        if in_float16 is not None:
+            return _Verdict(RejectReason.FLOAT16_SEED, FLOAT16_SEED_DETAIL, in_float16, loss)
     return _Verdict(None, "", None, loss)
+
+
+#: Why a block whose backward computes in float16 stays in the backward unless a seed is given.
+FLOAT16_SEED_DETAIL = (
+    "its backward computes in float16, where gradients computed at seed 1 and scaled by the "
+    "loss gradient T afterwards underflow (or overflow) where the backward run with T does "
+    "not: under a loss scaler (GradScaler) T is the scale. Set options={'seed': s}, s the "
+    "scale your scaler runs at, to run it early, or train in bfloat16")
+
+
+def _dtype_of(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _small_part_reason(share: float, min_part_share: float) -> _Verdict:

@@ -2,7 +2,7 @@
 
 What: rewrites the joint graph so that each early block's backward is cloned
 right after the block's ready point, with its loss tangent ``T`` replaced by
-the constant seed ``s`` (``cfg.seed``, 1 by default; a tensor of the tangent's shape,
+the constant seed ``s`` (``cfg.early_seed``, 1 by default; a tensor of the tangent's shape,
 0-d or ``[1]``), and so that the
 gradients it produces leave the backward as ``T / s * early_grad``.
 
@@ -78,7 +78,7 @@ PASS_NAME = "schedule_early_backward"
 def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Clone each early block's backward after its ready point; see the module docstring.
 
-    Reads ``ctx.cfg.seed`` and the `BlockAnalysis` of find_stop_gradient_blocks
+    Reads ``ctx.cfg.early_seed`` and the `BlockAnalysis` of find_stop_gradient_blocks
     (``ctx.artifact``). The pipeline checks the result with `check_early_schedule`.
     """
     cfg = ctx.cfg
@@ -102,18 +102,18 @@ def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         to_clone = (set(comp.seeds) | set(comp.helpers) | set(comp.nodes)) - upstream
         dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         env = _copy_early(graph, block, by_name, _pieces(comp, by_name, to_clone), dependent,
-                          cfg.seed, fake_mode)
+                          cfg.early_seed, fake_mode)
         late = (_copy_late(graph, comp, loss, upstream, by_name, dependent, fake_mode)
                 if block.other_tangents else {})
 
-        _scale_partials(graph, block, by_name, env, late, to_clone, cfg.seed, fake_mode)
+        _scale_partials(graph, block, by_name, env, late, to_clone, cfg.early_seed, fake_mode)
 
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
                 grad = by_name[grad_name]
                 outputs[num_fwd_outputs + primal_index] = _returned_grad(
                     graph, block, primal_index, env[grad], late.get(grad, ZERO), loss,
-                    cfg.seed, fake_mode)
+                    cfg.early_seed, fake_mode)
 
     out.args = (tuple(outputs),)
     graph.eliminate_dead_code()
@@ -263,12 +263,17 @@ def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
 
 
 def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
-    """``T / seed``, 0-d, in the gradient's dtype: one scalar node per use (or the tangent
-    itself). A one-element tangent of shape ``[1]`` is viewed as 0-d first, so the scale
-    broadcasts to the gradient's own shape."""
+    """``T / seed``, 0-d, in the gradient's dtype, float32 for a 16-bit one: one scalar node
+    per use (or the tangent itself). A one-element tangent of shape ``[1]`` is viewed as 0-d
+    first, so the scale broadcasts to the gradient's own shape.
+
+    NB: a 0-d scale does not promote the gradient's dtype, and the product is computed in
+    float32 either way; cast to float16, a GradScaler's scale 65536 would be infinite."""
     scale = tangent
     if val_of(tangent).dim() != 0:
         scale = call_with_val(graph, aten.view.default, (scale, []), fake_mode=fake_mode)
+    if dtype.is_floating_point and dtype.itemsize < 4:
+        dtype = torch.float32
     if val_of(tangent).dtype != dtype:
         scale = call_with_val(graph, aten._to_copy.default, (scale,), {"dtype": dtype},
                               fake_mode=fake_mode)

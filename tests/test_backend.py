@@ -147,6 +147,87 @@ def test_grad_scaler_scaled_seed(seed):
         assert_same_grads(eager_model, erased_model, rtol=1e-5, atol=1e-6 * scale)
 
 
+class Float16Chain(nn.Module):
+    """`Chain` under float16 autocast, its loss small (1e-4 x): float16 gradients computed
+    at seed 1 underflow where a GradScaler's scale keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Chain(3)
+
+    def forward(self, x, labels):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.inner(x, labels) * 1e-4
+
+
+def scaler_steps(options, steps=2, scale=2.0 ** 16):
+    """Eager and erase copies of a `Float16Chain` trained ``steps`` times with GradScalers
+    (gradients left unscaled, as a GradScaler's step reads them); the erase reports."""
+    eager_model = Float16Chain()
+    erased_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(erased_model, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise", **options})
+    scalers = [torch.amp.GradScaler("cpu", init_scale=scale) for _ in range(2)]
+
+    def train():
+        for _ in range(steps):
+            inputs = chain_inputs(batch=64)
+            for module, scaler, fn in ((eager_model, scalers[0], eager_model),
+                                       (erased_model, scalers[1], compiled)):
+                module.zero_grad(set_to_none=True)
+                scaler.scale(fn(*inputs)).backward()
+    reports = reports_of(train)
+    return eager_model, erased_model, reports
+
+
+def test_float16_blocks_stay_in_the_backward_without_a_seed():
+    # NB: run early at seed 1, nearly every element of their gradients differed from eager
+    eager, erased, reports = scaler_steps({})
+    assert_same_grads(eager, erased, rtol=0, atol=0)
+    assert not reports[0].blocks
+    assert {r.reason for r in reports[0].rejected} == {"float16_seed", "last_block"}
+    assert "options={'seed': s}" in reports[0].rejected[0].detail
+
+
+def test_float16_blocks_run_early_at_the_scalers_scale():
+    eager, erased, reports = scaler_steps({"seed": 2.0 ** 16})
+    assert len(reports[0].blocks) == 2
+    assert_same_grads(eager, erased, rtol=0, atol=0)  # T == seed: nothing to scale
+
+
+class HalfParameters(nn.Module):
+    """Detached float16 stages, each with a local cross-entropy computed in float32."""
+
+    def __init__(self, stages=3, d=16, classes=5):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Linear(d, d) for _ in range(stages)).half()
+        self.heads = nn.ModuleList(nn.Linear(d, classes) for _ in range(stages)).half()
+
+    def forward(self, x, labels):
+        loss = 0.0
+        for stage, head in zip(self.stages, self.heads):
+            x = torch.relu(stage(x))
+            loss = loss + nn.functional.cross_entropy(head(x).float(), labels)
+            x = x.detach()
+        return loss
+
+
+def test_float16_gradients_scaled_by_a_scale_float16_cannot_hold():
+    """Float16 parameters, seed 1, T = 2**16 (above float16's largest, 65504): the early
+    gradients are multiplied by T in float32, as torch's mul does (cast to float16 first,
+    the scale was infinite, and so was every early gradient)."""
+    eager_model = HalfParameters()
+    erased_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(erased_model, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise", "seed": 1.0})
+    x, labels = chain_inputs(batch=64)
+    (eager_model(x.half(), labels) * 2.0 ** 16).backward()
+    reports = reports_of(lambda: (compiled(x.half(), labels) * 2.0 ** 16).backward())
+    assert len(reports[0].blocks) == 2
+    # NB: at seed 1 the float16 early backward rounds where eager's at 2**16 does not
+    assert_same_grads(eager_model, erased_model, rtol=2e-2, atol=2e-2 * 2.0 ** 16 / 64)
+
+
 def test_batchnorm_buffers_update_as_in_eager():
     eager, erased = check_parity(BatchNormBlocks(), lambda: (torch.randn(8, 8),
                                                              torch.randint(0, 3, (8,))), steps=3)

@@ -14,7 +14,8 @@ PUBLIC = ("streams", "inner", "seed", "cudagraphs", "overlap", "early_allreduce"
 def test_defaults_are_documented_values():
     cfg = EraseConfig()
     assert (cfg.streams, cfg.inner, cfg.seed, cfg.cudagraphs, cfg.dump_dir,
-            cfg.on_error) == (4, "inductor", 1.0, None, None, "fallback")
+            cfg.on_error) == (4, "inductor", None, None, None, "fallback")
+    assert cfg.early_seed == 1.0 and EraseConfig(seed=1024).early_seed == 1024.0
     assert cfg.tuning == Tuning()
     assert (cfg.tuning.partitioner, cfg.tuning.release_lag, cfg.tuning.min_part_share) == (
         "min_cut", "auto", 0.05)
