@@ -100,6 +100,7 @@ from erase_fx.passes.graph import (
     tangent_outputs,
     topo_positions,
     upstream_of_seed,
+    val_of,
 )
 from erase_fx.passes.linearity import linearity_violation
 from erase_fx.passes.pass_result import DumpFile, PassContext, PassResult
@@ -291,7 +292,7 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
                                         ctx.cfg.tuning.min_part_share, graph_end,
-                                        float16_needs_seed=ctx.cfg.seed is None)
+                                        ctx.cfg.seed is None)
     early.sort(key=lambda judged: facts.order(judged[0]))
     blocks = []
     for i, (comp, (loss, seed, _)) in enumerate(early):
@@ -493,8 +494,8 @@ def _judge_components(
     latest: int,
     backward_flops: int,
     min_part_share: float,
-    graph_end: bool = False,
-    float16_needs_seed: bool = False,
+    graph_end: bool,
+    float16_needs_seed: bool,
 ) -> tuple[list[tuple[Component, LossSeed]], list[Rejected]]:
     """Each component early (whole, in pieces, or its parts split at sums), with its loss
     seed, or rejected, and why.
@@ -641,7 +642,7 @@ class _Verdict(NamedTuple):
 
 
 def _reject_reason(comp: Component, facts: Dataflow, latest: int,
-                   float16_needs_seed: bool = False) -> _Verdict:
+                   float16_needs_seed: bool) -> _Verdict:
     by_name = facts.by_name
     if not comp.grad_outputs and not comp.partials:
         return _Verdict(RejectReason.NO_PARAMETER_GRAD, "produces no gradient of a graph input",
@@ -670,7 +671,8 @@ def _reject_reason(comp: Component, facts: Dataflow, latest: int,
         return _Verdict(RejectReason.NOT_LINEAR, loss.nonlinear[1], loss.nonlinear[0], loss)
     if float16_needs_seed:
         in_float16 = next((name for name in comp.seeds + comp.nodes
-                           if _dtype_of(by_name[name]) == torch.float16), None)
+                           if getattr(val_of(by_name[name]), "dtype", None) == torch.float16),
+                          None)
         if in_float16 is not None:
             return _Verdict(RejectReason.FLOAT16_SEED, FLOAT16_SEED_DETAIL, in_float16, loss)
     return _Verdict(None, "", None, loss)
@@ -682,11 +684,6 @@ FLOAT16_SEED_DETAIL = (
     "loss gradient T afterwards underflow (or overflow) where the backward run with T does "
     "not: under a loss scaler (GradScaler) T is the scale. Set options={'seed': s}, s the "
     "scale your scaler runs at, to run it early, or train in bfloat16")
-
-
-def _dtype_of(node: fx.Node) -> torch.dtype | None:
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _small_part_reason(share: float, min_part_share: float) -> _Verdict:

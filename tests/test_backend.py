@@ -130,21 +130,32 @@ def test_scaled_loss_backward():
     check_parity(Chain(3), chain_inputs, loss_of=lambda loss: 3.0 * loss)
 
 
+def scaler_steps(model, options, *, scale, check, steps=2, batch=6):
+    """Eager and erase copies of ``model`` trained ``steps`` times with GradScalers at
+    ``scale`` (gradients left scaled, as a GradScaler's step reads them), ``check(eager,
+    erased)`` after each step; returns the erase reports."""
+    eager_model = model
+    erased_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(erased_model, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise", **options})
+    scalers = [torch.amp.GradScaler("cpu", init_scale=scale) for _ in range(2)]
+
+    def train():
+        for _ in range(steps):
+            inputs = chain_inputs(batch=batch)
+            for module, scaler, fn in ((eager_model, scalers[0], eager_model),
+                                       (erased_model, scalers[1], compiled)):
+                module.zero_grad(set_to_none=True)
+                scaler.scale(fn(*inputs)).backward()
+            check(eager_model, erased_model)
+    return reports_of(train)
+
+
 @pytest.mark.parametrize("seed", [1.0, 1024.0])
 def test_grad_scaler_scaled_seed(seed):
     scale = 2.0 ** 12
-    eager_model = Chain(3)
-    erased_model = copy.deepcopy(eager_model)
-    compiled = torch.compile(erased_model, backend="erase",
-                             options={"inner": "aot_eager", "on_error": "raise", "seed": seed})
-    scalers = [torch.amp.GradScaler("cpu", init_scale=scale) for _ in range(2)]
-    for _ in range(2):
-        inputs = chain_inputs()
-        for module, scaler, fn in ((eager_model, scalers[0], eager_model),
-                                   (erased_model, scalers[1], compiled)):
-            module.zero_grad(set_to_none=True)
-            scaler.scale(fn(*inputs)).backward()
-        assert_same_grads(eager_model, erased_model, rtol=1e-5, atol=1e-6 * scale)
+    scaler_steps(Chain(3), {"seed": seed}, scale=scale, check=lambda eager, erased:
+                 assert_same_grads(eager, erased, rtol=1e-5, atol=1e-6 * scale))
 
 
 class Float16Chain(nn.Module):
@@ -160,39 +171,23 @@ class Float16Chain(nn.Module):
             return self.inner(x, labels) * 1e-4
 
 
-def scaler_steps(options, steps=2, scale=2.0 ** 16):
-    """Eager and erase copies of a `Float16Chain` trained ``steps`` times with GradScalers
-    (gradients left unscaled, as a GradScaler's step reads them); the erase reports."""
-    eager_model = Float16Chain()
-    erased_model = copy.deepcopy(eager_model)
-    compiled = torch.compile(erased_model, backend="erase",
-                             options={"inner": "aot_eager", "on_error": "raise", **options})
-    scalers = [torch.amp.GradScaler("cpu", init_scale=scale) for _ in range(2)]
-
-    def train():
-        for _ in range(steps):
-            inputs = chain_inputs(batch=64)
-            for module, scaler, fn in ((eager_model, scalers[0], eager_model),
-                                       (erased_model, scalers[1], compiled)):
-                module.zero_grad(set_to_none=True)
-                scaler.scale(fn(*inputs)).backward()
-    reports = reports_of(train)
-    return eager_model, erased_model, reports
+def bitwise(eager, erased):
+    assert_same_grads(eager, erased, rtol=0, atol=0)
 
 
 def test_float16_blocks_stay_in_the_backward_without_a_seed():
     # NB: run early at seed 1, nearly every element of their gradients differed from eager
-    eager, erased, reports = scaler_steps({})
-    assert_same_grads(eager, erased, rtol=0, atol=0)
+    reports = scaler_steps(Float16Chain(), {}, scale=2.0 ** 16, check=bitwise, batch=64)
     assert not reports[0].blocks
     assert {r.reason for r in reports[0].rejected} == {"float16_seed", "last_block"}
     assert "options={'seed': s}" in reports[0].rejected[0].detail
 
 
 def test_float16_blocks_run_early_at_the_scalers_scale():
-    eager, erased, reports = scaler_steps({"seed": 2.0 ** 16})
+    # NB: T == seed: nothing to scale
+    reports = scaler_steps(Float16Chain(), {"seed": 2.0 ** 16}, scale=2.0 ** 16, check=bitwise,
+                           batch=64)
     assert len(reports[0].blocks) == 2
-    assert_same_grads(eager, erased, rtol=0, atol=0)  # T == seed: nothing to scale
 
 
 class HalfParameters(nn.Module):
