@@ -7,8 +7,8 @@
    at every step (a difference is a race);
    also: the in-place scaling kernel of early gradients (bit-identical to
    ``mul``, untouched at scale 1, under capture too), parity with a loss
-   tangent other than 1, and parity inside a whole-step CUDA graph taken by
-   the user;
+   tangent other than 1, parity inside a whole-step CUDA graph taken by
+   the user, and under float16 autocast with a GradScaler (the learned seed);
 3. step time (CUDA events, median of trials), side by side, of eager,
    inductor, reduce-overhead, inductor with the whole step in one CUDA graph,
    and erase without and with CUDA graphs (4 side streams, and 1 stream).
@@ -177,6 +177,57 @@ def check_two_forwards(cfg, device):
             compiled(*first).backward()
         worst = max(worst, max_rel_err(grads_of(eager), grads_of(other)))
     return worst
+
+
+class Float16Autocast(torch.nn.Module):
+    """A model run under float16 autocast, its loss scaled down (float16 gradients computed
+    at seed 1 underflow where a GradScaler's scale keeps them)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs):
+        with torch.autocast(inputs[0].device.type, dtype=torch.float16):
+            return self.inner(*inputs) * 1e-4
+
+
+def check_float16_scaler(cfg, device, options, steps=4):
+    """Float16 autocast and a GradScaler, no seed given: erase (the seed learned from the
+    last backward, `erase_fx.emit.loss_seed`) against eager (aot_eager) or stock Inductor
+    after each step but the first (which runs the stock compilation). Returns (max rel
+    grad err, early blocks, steps that ran erase's program)."""
+    from erase_fx.emit.loss_seed import UntilSeeded
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    reference = Float16Autocast(DetachedChain(cfg)).to(device)
+    model = copy.deepcopy(reference)
+    run_reference = torch.compile(reference) if options["inner"] == "inductor" else reference
+    compiled = compile_erase(model, **options)
+    scalers = [torch.amp.GradScaler(device.type) for _ in range(2)]
+    ran = []
+    call = UntilSeeded.__call__
+
+    def counting(switch, *args):
+        ran.append(switch.seed.known)
+        return call(switch, *args)
+
+    UntilSeeded.__call__ = counting
+    worst = 0.0
+    try:
+        with erase_fx.collect_reports() as reports:
+            for step in range(steps):
+                inputs = make_inputs(cfg, device)
+                for module, fn, scaler in ((reference, run_reference, scalers[0]),
+                                           (model, compiled, scalers[1])):
+                    module.zero_grad(set_to_none=True)
+                    scaler.scale(fn(*inputs)).backward()
+                if step:
+                    worst = max(worst, max_rel_err(grads_of(reference), grads_of(model)))
+    finally:
+        UntilSeeded.__call__ = call
+    return worst, len([b for r in reports for b in r.blocks]), sum(ran)
 
 
 def train_pattern(model, fn, pattern, batches):
@@ -414,6 +465,16 @@ def parity_checks(parity_cfg, parity_steps, device, results: Results) -> int:
         failures += not results.add(
             f"inside a user's whole-step CUDA graph, erase {options or 'defaults'}",
             _ok(err <= 1e-4), f"max rel grad err vs stock inductor {err:.2e}")
+    for options in ({"inner": "aot_eager", "cudagraphs": True},
+                    {"inner": "inductor", "cudagraphs": True}):
+        err, blocks, erase_steps = check_float16_scaler(parity_cfg, device, options)
+        limit = 1e-5 if options["inner"] == "aot_eager" else 1e-3
+        failures += not results.add(
+            f"float16 autocast + GradScaler, no seed, {options}",
+            _ok(err <= limit and blocks > 0 and erase_steps == 3),
+            f"{blocks} early blocks, erase's program in {erase_steps} of steps 2-4; max rel "
+            f"grad err vs {'stock inductor' if options['inner'] == 'inductor' else 'eager'} "
+            f"{err:.2e} (limit {limit:.1e})")
     err = check_two_forwards(parity_cfg, device)
     failures += not results.add("two forwards then one backward, CUDA graphs on", _ok(err <= 1e-4),
                                 f"max rel grad err {err:.2e}")

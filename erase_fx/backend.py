@@ -18,6 +18,11 @@ Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
 or a stock pass that erase_fx's presence upset) compiles the graph with the
 stock backend instead, with the reason logged and in the report.
 
+A graph that computes in float16, with no ``seed`` given and outside DDP, gets
+one more input, the seed its early blocks run at, learned from the loss
+gradient of its last backward (`erase_fx.emit.loss_seed`); the backend
+compiles it by the stock backend too, which runs until that first backward.
+
 With ``Tuning.stock_candidate``, a graph with early blocks compiled inside
 `erase_fx.compile_step` is compiled by the stock backend too, from an
 untouched copy, and the backend returns a switch between the two that the
@@ -55,6 +60,14 @@ from erase_fx.compilation import GraphCompilation
 from erase_fx.config import EraseConfig
 from erase_fx.emit import decompositions_for
 from erase_fx.emit.capture_scope import current_scope
+from erase_fx.emit.inner import cuda_device_of
+from erase_fx.emit.loss_seed import (
+    LossSeed,
+    UntilSeeded,
+    add_seed_input,
+    computes_in_float16,
+    with_seed,
+)
 from erase_fx.emit.stock_switch import StockSwitch, stock_candidate_refusal
 from erase_fx.errors import EraseOptionError
 from erase_fx.graph_breaks import TORCH_ROOT, ends_at_graph_break
@@ -86,16 +99,25 @@ def erase_backend(
         raise EraseOptionError("mode", mode,
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
+    data_parallel = ddp.active_ddp_module()
+    # NB: stock compilers take ownership of the graph they compile and may
+    # change it; the fallback, the stock candidate and a float16 graph's stock
+    # compilation (run until its seed is learned) compile an untouched copy.
+    seed = (LossSeed(cuda_device_of(example_inputs) or torch.device("cpu"))
+            if cfg.seed is None and data_parallel is None and computes_in_float16(gm) else None)
+    stock_candidate = cfg.tuning.stock_candidate and current_scope() is not None
+    original = (copy_graph_module(gm)
+                if cfg.on_error == "fallback" or stock_candidate or seed is not None else None)
+    stock_inputs = example_inputs
+    if seed is not None:
+        # NB: Dynamo reads its graph's placeholders again once the backend returns
+        gm = copy_graph_module(gm)
+        example_inputs = add_seed_input(gm, example_inputs, seed)
     request = CompileRequest(cfg, next(_graph_ids), tuple(input_names(gm)),
                              tuple(output_names(gm)), more_forward_follows(gm),
-                             data_parallel=ddp.active_ddp_module(),
-                             require_early_blocks=ddp.whole_ddp_graph())
+                             data_parallel=data_parallel,
+                             require_early_blocks=ddp.whole_ddp_graph(), loss_seed=seed)
     compilation = GraphCompilation(request)
-    # NB: stock compilers take ownership of the graph they compile and may
-    # change it; the fallback and the stock candidate compile an untouched copy.
-    stock_candidate = cfg.tuning.stock_candidate and current_scope() is not None
-    original = (copy_graph_module(gm) if cfg.on_error == "fallback" or stock_candidate
-                else None)
     try:
         if cfg.inner == "inductor":
             compiled = _compile_in_stock_inductor(gm, example_inputs, compilation)
@@ -112,15 +134,19 @@ def erase_backend(
                             error)
             raise ddp.NoEarlyBlocks(request.graph_id) from error
         compilation.fall_back_whole(error)
-        compiled = stock_backend(cfg.inner)(original, example_inputs)
+        compiled, seed = stock_backend(cfg.inner)(original, stock_inputs), None
     report = compilation.finish()
     publish(report)
+    if seed is not None:
+        compiled = with_seed(compiled, seed)
     if not compilation.has_early_blocks:
         return compiled
+    erase = _guarded(compiled, compilation)
+    if seed is not None:
+        erase = _until_seeded(erase, original, stock_inputs, seed, compilation)
     if stock_candidate:
-        return _with_stock_candidate(_guarded(compiled, compilation), original,
-                                     example_inputs, compilation)
-    return _guarded(compiled, compilation)
+        return _with_stock_candidate(erase, original, stock_inputs, compilation)
+    return erase
 
 
 def _compile_in_stock_inductor(
@@ -262,6 +288,25 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
 
     # NB: like AOTAutograd's own result, Dynamo must not trace into this wrapper.
     return torch._dynamo.disable(run)
+
+
+def _until_seeded(erase: Any, original: fx.GraphModule, example_inputs: Sequence[Any],
+                  seed: LossSeed, compilation: GraphCompilation) -> Any:
+    """A float16 graph with early blocks: a copy of ``original`` compiled by the stock
+    backend too, run until a backward has taught the graph its loss seed
+    (`erase_fx.emit.loss_seed`), then ``erase``."""
+    seed.losses = compilation.joint.found.loss_outputs
+    if not seed.losses:
+        log.warning("erase_fx graph %d computes in float16 and none of its early blocks' "
+                    "losses is an output it can watch for the loss gradient: it runs its stock "
+                    "compilation (options={'seed': s} runs the blocks early at s)",
+                    compilation.graph_id)
+    stock = stock_backend(compilation.cfg.inner)(copy_graph_module(original), example_inputs)
+    log.info("erase_fx graph %d: computes in float16: runs its stock compilation until a "
+             "backward gives its losses their gradient, then its early blocks at that gradient",
+             compilation.graph_id)
+    # NB: like AOTAutograd's own result, Dynamo must not trace into the switch.
+    return torch._dynamo.disable(UntilSeeded(erase, stock, seed))
 
 
 def _with_stock_candidate(erase: Any, original: fx.GraphModule, example_inputs: Sequence[Any],

@@ -56,6 +56,7 @@ from erase_fx.emit.inductor_segments import (
 )
 from erase_fx.emit.inner import cuda_device_of, example_inputs_of, mark_outputs_user_visible
 from erase_fx.emit.graph_end import GraphEndBackward
+from erase_fx.emit.loss_seed import SEED_INPUT
 from erase_fx.emit.live_tangents import LiveTangents, SelectedBackward, WatchedLoss, plain_outputs
 from erase_fx.emit.scale_grads import ScaledBackward
 from erase_fx.errors import GraphInvariantError, UnsupportedBlockError
@@ -283,12 +284,13 @@ class GraphCompilation:
         """The joint passes: the forward and backward with early blocks, or None where the
         analysis found none; ``note`` is given the analysis as soon as it is made."""
         self.runner.record("joint", joint)
+        primal_names = self._primal_names(joint)
         results = run_passes(
             JOINT_PASSES, joint, self.cfg, runner=self.runner,
             after={"find_stop_gradient_blocks": lambda found: note(self._found_blocks(found))},
-            num_fwd_outputs=num_fwd_outputs, primal_names=self._primal_names(joint),
+            num_fwd_outputs=num_fwd_outputs, primal_names=primal_names,
             joint_inputs=joint_inputs, partition_kwargs=kwargs,
-            graph_end=self.request.runs_graph_end,
+            graph_end=self.request.runs_graph_end, seed_input=self._seed_input(joint, primal_names),
         )
         if not results["find_stop_gradient_blocks"].artifact.blocks:
             self.fallbacks += (Fallback("no early block"),)
@@ -309,10 +311,12 @@ class GraphCompilation:
                    if other and all(t in outputs for t in other) else None)
         losses = [WatchedLoss(outputs[b.tangent], b.id, where.output(b.tangent))
                   for b in blocks if b.tangent in outputs]
+        loss_outputs = tuple(sorted({loss.output for loss in losses}))
         if watched is None and not losses:
             return FoundBlocks(found.artifact, where)
         live = LiveTangents(watched or (), losses, graph=f"graph {self.graph_id}")
-        return FoundBlocks(found.artifact, where, tuple(other) if watched else (), live)
+        return FoundBlocks(found.artifact, where, tuple(other) if watched else (), live,
+                           loss_outputs)
 
     def _compile_segments(
         self, fw: fx.GraphModule, example_inputs: Sequence[Any], inductor_kwargs: dict[str, Any],
@@ -441,7 +445,8 @@ class GraphCompilation:
         if planned is None:
             return None
         return UpdatePlan(grads, tuple(planned), unprovable_loss_gradient(
-            self.joint.differentiable_outputs, self.cfg.early_seed))
+            self.joint.differentiable_outputs, self.cfg.early_seed,
+            learned=self.request.loss_seed is not None))
 
     def _handle_unsupported(self, analysis: BlockAnalysis) -> None:
         """A block erase_fx cannot prove safe: raise, or keep it in the backward and say so."""
@@ -490,6 +495,14 @@ class GraphCompilation:
             names.append(input_names[index] if index < len(input_names) else node.name)
         return names
 
+    def _seed_input(self, joint: fx.GraphModule, primal_names: Sequence[str]) -> str | None:
+        """The joint graph's placeholder of the learned loss seed (`erase_fx.emit.loss_seed`),
+        by name, or None where the graph has none."""
+        if self.request.loss_seed is None:
+            return None
+        return next(node.name for node, name in zip(primals(joint.graph), primal_names)
+                    if name == SEED_INPUT)
+
     def _note_forward_metadata(self) -> Any:
         """AOT's metadata of the forward being compiled (None outside AOT); the backward
         guard learns from it whether the backward donates buffers."""
@@ -517,6 +530,8 @@ class GraphCompilation:
         loss get a gradient (`erase_fx.emit.live_tangents`), and those its blocks at the
         graph's end are waited for through (`erase_fx.emit.graph_end`)."""
         self.backward_guard.guard(outputs)
+        if self.request.loss_seed is not None:
+            self.request.loss_seed.watch(outputs)
         # NB: only a graph with early blocks is watched (`erase_fx.backend`), and after its
         # compile only fallbacks that keep them can come
         if self.joint.live_tangents is not None:

@@ -269,14 +269,18 @@ class EraseConfig:
             loss gradient (1 for ``loss.backward()``, the scale for
             ``scaler.scale(loss).backward()``), multiplying in place, and skips
             that pass over the early grads (on the device) when ``T == seed``.
-            ``None`` (default): 1, and a block whose backward computes in
-            float16 stays in the backward (reason ``float16_seed``): float16
-            gradients computed at 1 and scaled to a GradScaler's ``T`` (65536
-            at its start) underflow where the backward run with ``T`` does not.
-            Give the scale your scaler runs at to run those blocks early; an
-            early backward that overflows at the seed does so at every step,
-            so take one the scaler does not back off from. bfloat16 and float32
-            need no seed.
+            ``None`` (default): 1, except in a graph that computes in float16,
+            whose early blocks run at the loss gradient its last backward got
+            (`erase_fx.emit.loss_seed`): float16 gradients computed at 1 and
+            scaled to a GradScaler's ``T`` (65536 at its start) underflow where
+            the backward run with ``T`` does not. Such a graph runs its stock
+            compilation until its first backward; after the scaler backs off
+            it may skip one more step. Under DistributedDataParallel the seed
+            is not learned: those blocks stay in the backward (reason
+            ``float16_seed``) unless a seed is given, bitwise as eager while
+            ``T`` equals it; an early backward that overflows at a given seed
+            does so at every step, so take one the scaler does not back off
+            from. bfloat16 and float32 need no seed.
         cudagraphs: replay the compiled forward (side streams included) and
             backward from CUDA graphs, so a step costs two launches instead
             of one per kernel. ``None`` (default): on for graphs on a CUDA

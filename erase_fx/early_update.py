@@ -151,13 +151,19 @@ def _readers(node: fx.Node) -> set[fx.Node]:
     return found
 
 
-def unprovable_loss_gradient(differentiable_outputs: int, seed: float) -> str | None:
+def unprovable_loss_gradient(differentiable_outputs: int, seed: float, *,
+                             learned: bool) -> str | None:
     """Why a graph's early gradients cannot be proven handed out as computed, or None.
 
     A backward from the graph's only differentiable output, with no gradient
     given, makes the loss gradient ``T`` exactly 1; with ``seed`` 1 too,
-    ``T / seed == 1`` and the backward's in-place scaling does nothing.
+    ``T / seed == 1`` and the backward's in-place scaling does nothing. A seed
+    ``learned`` from the last loss gradient (`erase_fx.emit.loss_seed`) is
+    known only at run time.
     """
+    if learned:
+        return ("its seed is learned from the last loss gradient (float16): T / seed cannot "
+                "be proven 1")
     if differentiable_outputs != 1:
         return ("its graph has more than one differentiable output: its loss gradient cannot "
                 "be proven 1")

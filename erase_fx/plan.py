@@ -55,6 +55,8 @@ class CompileRequest:
             (`erase_fx.ddp`), or None.
         require_early_blocks: a whole graph kept from Dynamo's DDP optimizer: without
             early blocks, it is handed back to be split (`erase_fx.ddp.NoEarlyBlocks`).
+        loss_seed: a float16 graph's learned seed (`erase_fx.emit.loss_seed`): the graph
+            has its input, last, and its early blocks run at it; None: at ``cfg.early_seed``.
     """
 
     cfg: EraseConfig
@@ -64,6 +66,7 @@ class CompileRequest:
     more_forward_follows: bool = False
     data_parallel: Any = None
     require_early_blocks: bool = False
+    loss_seed: Any = None
 
     @property
     def runs_graph_end(self) -> bool:
@@ -93,12 +96,15 @@ class FoundBlocks:
             when none gets a gradient (`erase_fx.emit.live_tangents`) ...
         live_tangents: ... and what watches those outputs and the blocks' losses (a
             warning where a loss gets no gradient), or None where there is neither.
+        loss_outputs: the indices, among the compiled graph's outputs, of the blocks'
+            losses that are plain outputs (a learned seed is read from their gradients).
     """
 
     analysis: BlockAnalysis
     where: Whereabouts = Whereabouts()
     unused_tangents: tuple[str, ...] = ()
     live_tangents: LiveTangents | None = None
+    loss_outputs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ it is a view of) has another user in the backward, or when it is not reached
 from a saved tensor through views alone. Those outputs keep the ``mul``.
 
 Invariants in: a backward module whose GRAD_SCALE nodes read a scale that
-depends on tangents only. Invariants out (`check_deferred_scaling`): a new
+depends on tangents only (and on the saved copy of a learned seed, ``Role.LOSS_SEED``). Invariants out (`check_deferred_scaling`): a new
 module (the input untouched) with the same inputs; its first
 ``num_grads`` outputs are the gradients, then the scales; each deferred
 gradient is a saved placeholder or a view chain of one, used by nothing else;
@@ -168,7 +168,14 @@ def _reads_only_tangents(node: fx.Node) -> bool:
         if current in seen:
             continue
         seen.add(current)
-        if current.op == "placeholder" and not is_tangent(current):
+        if current.op == "placeholder" and not is_tangent(current) and not _is_seed(current):
             return False
         stack.extend(current.all_input_nodes)
     return True
+
+
+def _is_seed(node: fx.Node) -> bool:
+    """Whether a backward placeholder is the forward's copy of a learned loss seed, which a
+    scale divides ``T`` by (`erase_fx.emit.loss_seed`)."""
+    meta = get_meta(node)
+    return meta is not None and meta.role is Role.LOSS_SEED

@@ -39,11 +39,13 @@ How:
      (``small_part``, the cost check below). The reasons say, in the model's
      module names, which loss terms meet where, and why a part cannot run
      early;
-  7. with no ``cfg.seed`` given, a piece whose backward computes in float16
-     stays in the backward (``float16_seed``): its early copy would run at
-     seed 1 while a loss scaler's ``T`` is its scale, and float16 gradients
-     computed at one and scaled to the other underflow (or overflow) where
-     the backward run with ``T`` does not;
+  7. with no ``cfg.seed`` given and no learned seed (``seed_input``: the
+     backend gives a float16 graph one, `erase_fx.emit.loss_seed`, except under
+     DDP), a piece whose backward computes in float16 stays in the backward
+     (``float16_seed``): its early copy would run at seed 1 while a loss
+     scaler's ``T`` is its scale, and float16 gradients computed at one and
+     scaled to the other underflow (or overflow) where the backward run with
+     ``T`` does not;
   8. an early block whose loss terms meet in such sums and become ready at
      different points is cut in pieces (`Component.pieces`): each term's
      part launches at its own ready point, the rest (the sums and what
@@ -280,7 +282,9 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
             forward ends, whose loss terms do not meet in sums, runs early there
             (`Block.at_graph_end`) instead of staying in the backward
             (``last_block``). The caller says whether its program can run it
-            there (side streams, no data parallel).
+            there (side streams, no data parallel); ``seed_input`` (optional):
+            the placeholder of a learned loss seed, which lets float16 blocks
+            run early (rule 7).
     """
     num_fwd_outputs: int = ctx.given["num_fwd_outputs"]
     primal_names: Sequence[str] = ctx.given.get("primal_names", ())
@@ -292,7 +296,7 @@ def find_stop_gradient_blocks(gm: fx.GraphModule, ctx: PassContext) -> PassResul
     backward_flops = sum(node_flops(n) for n in facts.backward)
     early, rejected = _judge_components(components, facts, latest, backward_flops,
                                         ctx.cfg.tuning.min_part_share, graph_end,
-                                        ctx.cfg.seed is None)
+                                        ctx.cfg.seed is None and not ctx.given.get("seed_input"))
     early.sort(key=lambda judged: facts.order(judged[0]))
     blocks = []
     for i, (comp, (loss, seed, _)) in enumerate(early):
@@ -682,8 +686,9 @@ def _reject_reason(comp: Component, facts: Dataflow, latest: int,
 FLOAT16_SEED_DETAIL = (
     "its backward computes in float16, where gradients computed at seed 1 and scaled by the "
     "loss gradient T afterwards underflow (or overflow) where the backward run with T does "
-    "not: under a loss scaler (GradScaler) T is the scale. Set options={'seed': s}, s the "
-    "scale your scaler runs at, to run it early, or train in bfloat16")
+    "not: under a loss scaler (GradScaler) T is the scale, and under DistributedDataParallel "
+    "erase_fx does not learn it. Set options={'seed': s}, s the scale your scaler runs at, "
+    "to run it early, or train in bfloat16")
 
 
 def _small_part_reason(share: float, min_part_share: float) -> _Verdict:

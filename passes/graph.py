@@ -144,16 +144,34 @@ def clone_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.N
     return new_gm, node_map
 
 
+#: What Dynamo sets on the GraphModule it hands a backend besides ``meta`` (torch 2.11-2.14,
+#: ``torch._dynamo.output_graph``).
+DYNAMO_GRAPH_ATTRIBUTES = ("_param_name_to_source", "compile_subgraph_reason",
+                           "_source_to_user_stacks", "_backend_id", "torchdynamo_force_dynamic")
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's ``gm`` whose graph can be changed without touching ``gm``'s (modules
     shared): what the stock backend compiles in a fallback, and what Dynamo's DDP optimizer
     splits after erase's backend declined a whole graph (`erase_fx.backend`, `erase_fx.ddp`).
-    Unlike `clone_module`, it keeps ``gm``'s class and tracer as Dynamo made them."""
+    Unlike `clone_module`, it keeps ``gm``'s class and tracer as Dynamo made them, and
+    what Dynamo sets on its graph besides ``meta`` (`DYNAMO_GRAPH_ATTRIBUTES`, each
+    placeholder's ``_dynamo_source``): without them AOTAutograd takes the graph for an
+    exported one and marks no input static (torch 2.11-2.14,
+    ``_try_get_metadata_from_dynamo``; tests/test_loss_seed.py pins it), and a graph ended
+    at a graph break looks ended at its return (`erase_fx.graph_breaks`)."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
     clone = fx.GraphModule(gm, graph)
     clone.meta.update(gm.meta)
+    for name in DYNAMO_GRAPH_ATTRIBUTES:
+        if hasattr(gm, name):
+            setattr(clone, name, getattr(gm, name))
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if hasattr(node, "_dynamo_source"):
+            copies[node]._dynamo_source = node._dynamo_source
     return clone
 
 

@@ -28,6 +28,9 @@ class Role(str, enum.Enum):
     GRAD_SCALE = "grad_scale"
     #: The backward's ``mul(early_part, T / seed)`` that a sum of gradient parts reads.
     PARTIAL_SCALE = "partial_scale"
+    #: The forward's copy of a learned loss seed (`erase_fx.emit.loss_seed`): the seed its
+    #: early blocks run at, saved for the backward, which divides ``T`` by it.
+    LOSS_SEED = "loss_seed"
 
 
 @dataclasses.dataclass(frozen=True)

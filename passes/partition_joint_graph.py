@@ -107,6 +107,10 @@ def partition_joint_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult[Jo
     early_grads += [n.args[0] for n in joint.graph.nodes
                     if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE
                     and n.args[0] not in early_grads]
+    # NB: and the forward's copy of a learned seed, which the backward divides T by: read
+    # from the seed input in the backward, it would see the value a later backward set
+    early_grads += [n for n in joint.graph.nodes
+                    if (m := get_meta(n)) and m.role is Role.LOSS_SEED]
     k = len(early_grads)
     out.args = (tuple(outputs[:num_fwd_outputs] + early_grads + outputs[num_fwd_outputs:]),)
     descs = out.meta.get("desc")
@@ -149,7 +153,15 @@ def check_partition(result: PassResult[JointPartition], ctx: PassContext) -> Non
 
     NB: the partitioner may still recompute a cheap view of an early gradient
     (``t(mm)``) in the backward from the saved ``mm``; that is free.
+
+    And the backward does not read a learned seed's input (given: ``seed_input``), only
+    the forward's copy of it.
     """
+    seed_input = ctx.given.get("seed_input")
+    if seed_input is not None and any(
+            n.name == seed_input for n in result.artifact.bw.graph.find_nodes(op="placeholder")):
+        raise GraphInvariantError(PASS_NAME, "the backward reads the learned seed's input",
+                                  node=seed_input)
     for node in result.artifact.bw.graph.nodes:
         meta = get_meta(node)
         if meta is not None and meta.role is Role.EARLY_BACKWARD and node_flops(node) > 0:

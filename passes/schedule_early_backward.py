@@ -6,6 +6,10 @@ the constant seed ``s`` (``cfg.early_seed``, 1 by default; a tensor of the tange
 0-d or ``[1]``), and so that the
 gradients it produces leave the backward as ``T / s * early_grad``.
 
+A float16 graph's seed is learned instead (`erase_fx.emit.loss_seed`): an input of
+the graph (``seed_input``), copied once in the forward (``Role.LOSS_SEED``); the
+early copies run at that copy, and ``T`` is divided by it.
+
 Why it is exact: the backward is linear in the tangent (checked op by op by
 find_stop_gradient_blocks), so the gradient computed with seed ``s`` times
 ``T / s`` equals the gradient computed with ``T``. Nothing is written to
@@ -78,10 +82,10 @@ PASS_NAME = "schedule_early_backward"
 def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Clone each early block's backward after its ready point; see the module docstring.
 
-    Reads ``ctx.cfg.early_seed`` and the `BlockAnalysis` of find_stop_gradient_blocks
+    Reads ``ctx.cfg.early_seed``, or, given, ``seed_input`` (the placeholder of a learned
+    seed: `_seed_copy`), and the `BlockAnalysis` of find_stop_gradient_blocks
     (``ctx.artifact``). The pipeline checks the result with `check_early_schedule`.
     """
-    cfg = ctx.cfg
     analysis: BlockAnalysis = ctx.artifact(FIND_BLOCKS)
     if not analysis.blocks:
         return PassResult(gm, modified=False)
@@ -89,6 +93,9 @@ def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = new_gm.graph
     by_name = {n.name: n for n in graph.nodes}
     fake_mode = fake_mode_of(graph)
+    seed_input = ctx.given.get("seed_input")
+    seed = (_seed_copy(graph, by_name[seed_input], fake_mode) if seed_input
+            else ctx.cfg.early_seed)
     out = output_node(graph)
     outputs = list(out.args[0])
     num_fwd_outputs = analysis.num_fwd_outputs
@@ -102,18 +109,18 @@ def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         to_clone = (set(comp.seeds) | set(comp.helpers) | set(comp.nodes)) - upstream
         dependent = {by_name[n] for n in comp.tangents + comp.seeds + comp.nodes}
         env = _copy_early(graph, block, by_name, _pieces(comp, by_name, to_clone), dependent,
-                          cfg.early_seed, fake_mode)
+                          seed, fake_mode)
         late = (_copy_late(graph, comp, loss, upstream, by_name, dependent, fake_mode)
                 if block.other_tangents else {})
 
-        _scale_partials(graph, block, by_name, env, late, to_clone, cfg.early_seed, fake_mode)
+        _scale_partials(graph, block, by_name, env, late, to_clone, seed, fake_mode)
 
         with graph.inserting_before(out):
             for primal_index, grad_name in comp.grad_outputs:
                 grad = by_name[grad_name]
                 outputs[num_fwd_outputs + primal_index] = _returned_grad(
                     graph, block, primal_index, env[grad], late.get(grad, ZERO), loss,
-                    cfg.early_seed, fake_mode)
+                    seed, fake_mode)
 
     out.args = (tuple(outputs),)
     graph.eliminate_dead_code()
@@ -123,7 +130,7 @@ def schedule_early_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _copy_early(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
-                pieces: list[tuple[str, set[fx.Node]]], dependent: set[fx.Node], seed: float,
+                pieces: list[tuple[str, set[fx.Node]]], dependent: set[fx.Node], seed: Seed,
                 fake_mode: Any) -> dict[fx.Node, Any]:
     """The block's early copy: the seed right after its first ready point, then each piece's
     nodes after that piece's ready point, the loss tangent read as the seed and the other
@@ -133,12 +140,7 @@ def _copy_early(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
     loss_val = val_of(loss)
     early_meta = NodeMeta(Role.EARLY_BACKWARD, block=block.id, at_graph_end=block.at_graph_end)
     with graph.inserting_after(by_name[pieces[0][0]]):
-        # NB: the loss seed's own shape: a loss accumulated into torch.zeros(1) is [1]
-        seed_node = call_with_val(
-            graph, aten.full.default, (list(loss_val.shape), float(seed)),
-            {"dtype": loss_val.dtype, "layout": torch.strided,
-             "device": loss_val.device, "pin_memory": False},
-            fake_mode=fake_mode)
+        seed_node = _seed_value(graph, seed, loss_val, fake_mode)
     _tag_forward(seed_node, early_meta)
     env: dict[fx.Node, Any] = {loss: seed_node,
                                **{by_name[g]: ZERO for g in block.other_tangents}}
@@ -164,6 +166,41 @@ def _copy_early(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
             if made:
                 last = made[-1]
     return env
+
+
+#: The seed an early copy runs at: ``cfg.early_seed``, or the forward's copy of a learned
+#: seed (`_seed_copy`).
+Seed = float | fx.Node
+
+
+def _seed_copy(graph: fx.Graph, seed_input: fx.Node, fake_mode: Any) -> fx.Node:
+    """The forward's copy of a learned seed (``seed_input``, a 0-d float32 placeholder,
+    `erase_fx.emit.loss_seed`), right after the placeholders: every early copy runs at
+    it and the backward divides ``T`` by it, saved (``Role.LOSS_SEED``: the partition
+    keeps it in the forward), so a forward and its backward agree on the seed whatever
+    the program does to its input in between."""
+    with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
+        copy = call_with_val(graph, aten.clone.default, (seed_input,), fake_mode=fake_mode)
+    set_meta(copy, NodeMeta(Role.LOSS_SEED))
+    copy.meta["partitioner_tag"] = "is_forward"
+    return copy
+
+
+def _seed_value(graph: fx.Graph, seed: Seed, loss_val: Any, fake_mode: Any) -> fx.Node:
+    """The early copy's loss gradient: ``seed`` in the loss seed's own shape and dtype (a
+    loss accumulated into ``torch.zeros(1)`` is ``[1]``)."""
+    if not isinstance(seed, fx.Node):
+        return call_with_val(
+            graph, aten.full.default, (list(loss_val.shape), float(seed)),
+            {"dtype": loss_val.dtype, "layout": torch.strided,
+             "device": loss_val.device, "pin_memory": False},
+            fake_mode=fake_mode)
+    value = seed
+    if val_of(seed).dtype != loss_val.dtype:
+        value = call_with_val(graph, aten._to_copy.default, (value,), {"dtype": loss_val.dtype},
+                              fake_mode=fake_mode)
+    return call_with_val(graph, aten.expand.default, (value, list(loss_val.shape)),
+                         fake_mode=fake_mode)
 
 
 def _pieces(comp, by_name: dict[str, fx.Node],
@@ -211,7 +248,7 @@ def _copy_late(graph: fx.Graph, comp, loss: fx.Node, upstream: set[str],
 
 
 def _returned_grad(graph: fx.Graph, block: Block, primal_index: int, early: Any, late: Any,
-                   loss: fx.Node, seed: float, fake_mode: Any) -> Any:
+                   loss: fx.Node, seed: Seed, fake_mode: Any) -> Any:
     """What the joint graph returns as the gradient of primal ``primal_index``: the early
     gradient scaled, ``T / s * early`` (tagged ``GRAD_SCALE``), plus the backward's part
     ``late`` when the block reads other tangents; either alone where the other is zero."""
@@ -234,7 +271,7 @@ def _tag_forward(node: fx.Node, meta: NodeMeta) -> None:
 
 def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
                     env: dict[fx.Node, Any], late: dict[fx.Node, Any], cloned: set[str],
-                    seed: float, fake_mode: Any) -> None:
+                    seed: Seed, fake_mode: Any) -> None:
     """The sums in the backward read ``T / s *`` each early part instead of the part (plus
     the backward's own part of it, ``late``, for a block that reads other tangents)."""
     loss = by_name[block.seed_node]
@@ -262,10 +299,11 @@ def _scale_partials(graph: fx.Graph, block: Block, by_name: dict[str, fx.Node],
             user.replace_input_with(original, replacement)
 
 
-def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
+def _loss_grad_scale(graph, tangent, dtype, seed: Seed, fake_mode) -> fx.Node:
     """``T / seed``, 0-d, in the gradient's dtype, float32 for a 16-bit one: one scalar node
     per use (or the tangent itself). A one-element tangent of shape ``[1]`` is viewed as 0-d
-    first, so the scale broadcasts to the gradient's own shape.
+    first, so the scale broadcasts to the gradient's own shape. A learned seed (a float32
+    0-d node) divides as it is.
 
     NB: a 0-d scale does not promote the gradient's dtype, and the product is computed in
     float32 either way; cast to float16, a GradScaler's scale 65536 would be infinite."""
@@ -277,7 +315,9 @@ def _loss_grad_scale(graph, tangent, dtype, seed, fake_mode) -> fx.Node:
     if val_of(tangent).dtype != dtype:
         scale = call_with_val(graph, aten._to_copy.default, (scale,), {"dtype": dtype},
                               fake_mode=fake_mode)
-    if seed != 1.0:
+    if isinstance(seed, fx.Node):
+        scale = call_with_val(graph, aten.div.Tensor, (scale, seed), fake_mode=fake_mode)
+    elif seed != 1.0:
         scale = call_with_val(graph, aten.div.Tensor, (scale, float(seed)), fake_mode=fake_mode)
     return scale
 

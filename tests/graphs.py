@@ -502,6 +502,24 @@ def attention_inputs(batch: int = 2, t: int = 8, d: int = 16, classes: int = 5):
     return torch.randn(batch, t, d), torch.randint(0, classes, (batch, t))
 
 
+class InFloat16(nn.Module):
+    """``inner`` under float16 autocast, its loss small (1e-4 x): float16 gradients computed
+    at seed 1 underflow where a GradScaler's scale keeps them."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, labels):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.inner(x, labels) * 1e-4
+
+
+def Float16Chain(stages: int = 3) -> InFloat16:  # noqa: N802 - a model, as the classes here
+    """`Chain` under float16 autocast (`InFloat16`)."""
+    return InFloat16(Chain(stages))
+
+
 def chain_inputs(batch: int = 6, d: int = 16, classes: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, d), torch.randint(0, classes, (batch,))
 
