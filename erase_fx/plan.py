@@ -258,6 +258,8 @@ def report_of(request: CompileRequest, joint: JointPlan | None, forward: Forward
         report = GraphReport.from_analysis(request.graph_id, found.analysis, cfg, found.where)
     if forward is not None:
         report = dataclasses.replace(report, **forward.report_fields())
+    if request.loss_seed is not None and report.blocks:
+        report = dataclasses.replace(report, learned_seed=True)
     if not fallbacks:
         return report
     if all(fallback.keeps_schedule for fallback in fallbacks):

@@ -235,6 +235,9 @@ class GraphReport:
         graph_break: where and why Dynamo ended this graph at a graph break
             (`GraphBreakReport`), or None where the graph ends where the
             user's function returns; set by `erase_fx.explain`.
+        learned_seed: the early blocks run at the loss gradient of the graph's
+            last backward, not at ``seed``: a graph that computes in float16
+            (`erase_fx.emit.loss_seed`); its stock compilation runs until then.
     """
 
     graph_id: int
@@ -254,6 +257,7 @@ class GraphReport:
     early_updatable: int = 0
     whole_early_grads: int = 0
     graph_break: GraphBreakReport | None = None
+    learned_seed: bool = False
 
     @property
     def early_share(self) -> float:
@@ -316,7 +320,7 @@ class GraphReport:
                                    input_copies=0, input_copy_bytes=0, recomputed_values=0,
                                    boundary_bytes_before=0, boundary_bytes_after=0,
                                    early_updatable=0, whole_early_grads=0,
-                                   fallback_reason=reason)
+                                   learned_seed=False, fallback_reason=reason)
 
     def summary(self) -> str:
         """One line: what the logger prints per compiled graph."""

@@ -148,8 +148,16 @@ def test_float16_blocks_run_early_at_the_last_loss_gradient(programs_run):
     from the second on, the early blocks run at it, bitwise as eager (at seed 1, nearly
     every element of their gradients differed)."""
     reports = scaler_steps(Float16Chain(), {}, scale=SCALE, check=bitwise, steps=4, batch=64)
-    assert len(reports[0].blocks) == 2
+    assert len(reports[0].blocks) == 2 and reports[0].learned_seed
     assert programs_run == ["stock", "erase", "erase", "erase"]
+
+
+def test_the_report_says_the_seed_is_learned():
+    from erase_fx.report_text import format_reports
+
+    text = format_reports(erase_fx.explain(Float16Chain(), *chain_inputs()))
+    assert "float16: the blocks run at the loss gradient of the last backward" in text
+    assert "float16" not in format_reports(erase_fx.explain(Chain(3), *chain_inputs()))
 
 
 def test_float16_with_inductor_inside_as_stock_inductor(programs_run):
