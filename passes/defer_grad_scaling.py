@@ -19,7 +19,8 @@ it is a view of) has another user in the backward, or when it is not reached
 from a saved tensor through views alone. Those outputs keep the ``mul``.
 
 Invariants in: a backward module whose GRAD_SCALE nodes read a scale that
-depends on tangents only (and on the saved copy of a learned seed, ``Role.LOSS_SEED``). Invariants out (`check_deferred_scaling`): a new
+depends on tangents only (and on the saved copy of a learned seed,
+``Role.LOSS_SEED``). Invariants out (`check_deferred_scaling`): a new
 module (the input untouched) with the same inputs; its first
 ``num_grads`` outputs are the gradients, then the scales; each deferred
 gradient is a saved placeholder or a view chain of one, used by nothing else;

@@ -9,7 +9,9 @@ Why a wrapper: the early gradients are read only by the backward
 undoing the schedule (min-cut does, when it finds that cheaper to save).
 Exposing them as temporary extra forward outputs forces them into the
 forward; they are then saved tensors of the forward, and the extra outputs are
-stripped from the forward module again.
+stripped from the forward module again. The forward's copy of a learned seed
+(``Role.LOSS_SEED``) is kept the same way: recomputed in the backward from the
+seed's input, it would read the value a later backward set.
 
 The stock partitioner merges common subexpressions first; here it does not
 (``torch._functorch.config.cse`` off while it runs): `merge_common_subexpressions`
@@ -101,18 +103,16 @@ def partition_joint_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult[Jo
     joint, _ = clone_module(gm)
     out = output_node(joint.graph)
     outputs = list(out.args[0])
-    early_grads = [n for n in joint.graph.nodes
-                   if (m := get_meta(n)) and m.role is Role.EARLY_BACKWARD and m.grad_of is not None]
+    kept = [n for n in joint.graph.nodes
+            if (m := get_meta(n)) and m.role is Role.EARLY_BACKWARD and m.grad_of is not None]
     # NB: the early parts of gradients that sums in the backward add up, too
-    early_grads += [n.args[0] for n in joint.graph.nodes
-                    if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE
-                    and n.args[0] not in early_grads]
+    kept += [n.args[0] for n in joint.graph.nodes
+             if (m := get_meta(n)) and m.role is Role.PARTIAL_SCALE and n.args[0] not in kept]
     # NB: and the forward's copy of a learned seed, which the backward divides T by: read
     # from the seed input in the backward, it would see the value a later backward set
-    early_grads += [n for n in joint.graph.nodes
-                    if (m := get_meta(n)) and m.role is Role.LOSS_SEED]
-    k = len(early_grads)
-    out.args = (tuple(outputs[:num_fwd_outputs] + early_grads + outputs[num_fwd_outputs:]),)
+    kept += [n for n in joint.graph.nodes if (m := get_meta(n)) and m.role is Role.LOSS_SEED]
+    k = len(kept)
+    out.args = (tuple(outputs[:num_fwd_outputs] + kept + outputs[num_fwd_outputs:]),)
     descs = out.meta.get("desc")
     if descs is not None:
         out.meta["desc"] = list(descs[:num_fwd_outputs]) + _saved_descs(k) + list(
