@@ -273,9 +273,9 @@ class EraseConfig:
             whose early blocks run at the loss gradient its last backward got
             (`erase_fx.emit.loss_seed`): float16 gradients computed at 1 and
             scaled to a GradScaler's ``T`` (65536 at its start) underflow where
-            the backward run with ``T`` does not. Such a graph runs its stock
-            compilation until its first backward; after the scaler backs off
-            it may skip one more step. Under DistributedDataParallel the seed
+            the backward run with ``T`` does not. Such a graph is compiled by
+            the stock backend too, which runs until its first backward; after
+            the scaler backs off it may skip one more step. Under DistributedDataParallel the seed
             is not learned: those blocks stay in the backward (reason
             ``float16_seed``) unless a seed is given, bitwise as eager while
             ``T`` equals it; an early backward that overflows at a given seed
