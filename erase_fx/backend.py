@@ -18,7 +18,7 @@ Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
 or a stock pass that erase_fx's presence upset) compiles the graph with the
 stock backend instead, with the reason logged and in the report.
 
-A graph that computes in float16, with no ``seed`` given and outside DDP, gets
+A graph that computes in float16, with no ``seed`` given, gets
 one more input, the seed its early blocks run at, learned from the loss
 gradient of its last backward (`erase_fx.emit.loss_seed`); the backend
 compiles it by the stock backend too, which runs until that first backward.
@@ -99,12 +99,11 @@ def erase_backend(
         raise EraseOptionError("mode", mode,
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
-    data_parallel = ddp.active_ddp_module()
     # NB: stock compilers take ownership of the graph they compile and may
     # change it; the fallback, the stock candidate and a float16 graph's stock
     # compilation (run until its seed is learned) compile an untouched copy.
     seed = (LossSeed(cuda_device_of(example_inputs) or torch.device("cpu"))
-            if cfg.seed is None and data_parallel is None and computes_in_float16(gm) else None)
+            if cfg.seed is None and computes_in_float16(gm) else None)
     stock_candidate = cfg.tuning.stock_candidate and current_scope() is not None
     original = (copy_graph_module(gm)
                 if cfg.on_error == "fallback" or stock_candidate or seed is not None else None)
@@ -115,7 +114,7 @@ def erase_backend(
         example_inputs = add_seed_input(gm, example_inputs, seed)
     request = CompileRequest(cfg, next(_graph_ids), tuple(input_names(gm)),
                              tuple(output_names(gm)), more_forward_follows(gm),
-                             data_parallel=data_parallel,
+                             data_parallel=ddp.active_ddp_module(),
                              require_early_blocks=ddp.whole_ddp_graph(), loss_seed=seed)
     compilation = GraphCompilation(request)
     try:

@@ -275,12 +275,10 @@ class EraseConfig:
             scaled to a GradScaler's ``T`` (65536 at its start) underflow where
             the backward run with ``T`` does not. Such a graph is compiled by
             the stock backend too, which runs until its first backward; after
-            the scaler backs off it may skip one more step. Under DistributedDataParallel the seed
-            is not learned: those blocks stay in the backward (reason
-            ``float16_seed``) unless a seed is given, bitwise as eager while
-            ``T`` equals it; an early backward that overflows at a given seed
-            does so at every step, so take one the scaler does not back off
-            from. bfloat16 and float32 need no seed.
+            the scaler backs off it may skip one more step. A given seed is
+            bitwise as eager while ``T`` equals it, but an early backward that
+            overflows at it does so at every step, and the scaler's skipped
+            steps never end. bfloat16 and float32 need no seed.
         cudagraphs: replay the compiled forward (side streams included) and
             backward from CUDA graphs, so a step costs two launches instead
             of one per kernel. ``None`` (default): on for graphs on a CUDA

@@ -40,8 +40,8 @@ How:
      module names, which loss terms meet where, and why a part cannot run
      early;
   7. with no ``cfg.seed`` given and no learned seed (``seed_input``: the
-     backend gives a float16 graph one, `erase_fx.emit.loss_seed`, except under
-     DDP), a piece whose backward computes in float16 stays in the backward
+     backend gives a graph with float16 values one, `erase_fx.emit.loss_seed`),
+     a piece whose backward computes in float16 stays in the backward
      (``float16_seed``): its early copy would run at seed 1 while a loss
      scaler's ``T`` is its scale, and float16 gradients computed at one and
      scaled to the other underflow (or overflow) where the backward run with
@@ -686,9 +686,9 @@ def _reject_reason(comp: Component, facts: Dataflow, latest: int,
 FLOAT16_SEED_DETAIL = (
     "its backward computes in float16, where gradients computed at seed 1 and scaled by the "
     "loss gradient T afterwards underflow (or overflow) where the backward run with T does "
-    "not: under a loss scaler (GradScaler) T is the scale, and under DistributedDataParallel "
-    "erase_fx does not learn it. Set options={'seed': s}, s the scale your scaler runs at, "
-    "to run it early, or train in bfloat16")
+    "not: under a loss scaler (GradScaler) T is the scale, and this graph has no learned "
+    "seed. Set options={'seed': s}, s the scale your scaler runs at, to run it early, or "
+    "train in bfloat16")
 
 
 def _small_part_reason(share: float, min_part_share: float) -> _Verdict:

@@ -28,15 +28,24 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
             model_name: str = "chain", options: dict | None = None) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     import erase_fx
-    from graphs import Chain, Towers, chain_inputs
+    from graphs import Chain, InFloat16, Towers, chain_inputs
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
+    from erase_fx.emit.loss_seed import UntilSeeded
+
+    seed_known = []  # at each call of a float16 graph: whether its seed was learned
+    call = UntilSeeded.__call__
+    UntilSeeded.__call__ = lambda self, *args: (seed_known.append(self.seed.known),
+                                                call(self, *args))[1]
     try:
         torch._dynamo.config.optimize_ddp = optimize_ddp
         torch.manual_seed(0)
         # NB: wide enough (about 1 MiB of weights per stage) for 1 MB buckets to split it
-        model = Chain(3, hidden=8192) if model_name == "chain" else Towers(3)
+        model = {"chain": lambda: Chain(3, hidden=8192), "towers": lambda: Towers(3),
+                 "float16": lambda: InFloat16(Chain(3, hidden=8192))}[model_name]()
+        # NB: a GradScaler's first scale: float16 blocks run at the seed learned from it
+        tangent = torch.tensor(2.0 ** 16 if model_name == "float16" else 1.0)
         eager = nn.parallel.DistributedDataParallel(copy.deepcopy(model),
                                                     bucket_cap_mb=bucket_cap_mb)
         module = copy.deepcopy(model)
@@ -51,14 +60,14 @@ def _worker(rank: int, init_file: str, optimize_ddp: bool, bucket_cap_mb: float,
                 inputs = chain_inputs()
                 for m in (eager, module):
                     m.zero_grad(set_to_none=True)
-                eager(*inputs).backward()
-                compiled(*inputs).backward()
+                eager(*inputs).backward(tangent)
+                compiled(*inputs).backward(tangent)
                 worst = max(worst, max((a.grad - b.grad).abs().max().item() for a, b in
                                        zip(eager.module.parameters(), module.parameters())))
         queue.put((rank, worst, (len(reports), sum(len(r.blocks) for r in reports),
-                                 sum(r.early_updatable for r in reports)), None))
+                                 sum(r.early_updatable for r in reports)), seed_known, None))
     except Exception as error:  # noqa: BLE001 - reported to the test in the parent
-        queue.put((rank, None, (0, 0, 0), f"{type(error).__name__}: {error}"))
+        queue.put((rank, None, (0, 0, 0), seed_known, f"{type(error).__name__}: {error}"))
     finally:
         dist.destroy_process_group()
 
@@ -88,12 +97,17 @@ def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
     ("towers", False, 25.0, 1, 2, None),  # the towers' parts; the shared front after the sum
     # no side stream: no early all-reduce, DDP's buckets reduce every gradient
     ("chain", True, 1.0, 1, 2, {"streams": 0}),
+    # float16 autocast at T = 2**16: the first step runs the stock compilation, the second
+    # erase's at the seed the first taught it
+    ("float16", True, 1.0, 1, 2, None),
 ])
 def test_ddp_gradients_equal_eager_ddp(tmp_path, model_name, optimize_ddp, bucket_cap_mb,
                                        graphs, early_blocks, options):
     results = run_ddp(tmp_path, optimize_ddp, bucket_cap_mb, model_name, options)
-    for rank, worst, (num_graphs, blocks, updatable), error in results:
+    for rank, worst, (num_graphs, blocks, updatable), seed_known, error in results:
         assert error is None, f"rank {rank}: {error}"
+        # NB: float16: the first step ran stock, the second erase's program
+        assert seed_known == ([False, True] if model_name == "float16" else [])
         assert worst == 0.0, f"rank {rank}: grads differ from eager DDP by {worst}"
         assert num_graphs == graphs
         # NB: under DDP the gradients are all-reduced after their block: no early update

@@ -253,7 +253,7 @@ def test_a_forward_and_its_backward_agree_on_the_seed_whatever_runs_between():
 
 
 def test_the_analysis_keeps_float16_blocks_in_the_backward_without_a_seed():
-    """Without a given or learned seed (under DDP), a float16 block stays in the backward,
+    """Without a given or learned seed, a float16 block stays in the backward,
     and the reason names the fix; with the seed's input, it runs early."""
     joint = trace_joint(Float16Chain(), *chain_inputs())
     cfg = EraseConfig(inner="aot_eager")

@@ -29,10 +29,9 @@ halves once more than it would have. A graph whose seed is not known yet (no
 backward has reached its losses) runs its stock compilation (`UntilSeeded`),
 exactly as ``torch.compile`` would.
 
-Not built: under DistributedDataParallel, where a block whose backward
-computes in float16 stays in the backward unless ``seed`` is given
-(``float16_seed``); with early optimizer updates, which need ``T / s == 1``
-proven at compile time.
+Under DistributedDataParallel every rank learns the same seed (the scaler's
+scale is the same on every rank) and switches at the same step. Not built:
+early optimizer updates, which need ``T / s == 1`` proven at compile time.
 """
 from __future__ import annotations
 
