@@ -332,3 +332,36 @@ def test_the_seed_is_a_static_input_of_the_forward(monkeypatch):
     # AOTAutograd reads to tell them (without it, no input was static)
     assert count - 1 in static and len(static) == len(list(model.parameters())) + 1
     assert last.shape == () and last.dtype == torch.float32
+
+
+def test_a_float16_graph_is_a_stock_candidate_too(monkeypatch, programs_run):
+    """Inside a compile_step with ``Tuning.stock_candidate``: the switch's erase side is the
+    graph's stock-until-seeded program, its stock side the stock candidate; gradients
+    bitwise as eager whichever runs."""
+    from erase_fx import backend as backend_module
+    from erase_fx.capture_tuning import STOCK_CHOICE
+    from erase_fx.emit.capture_scope import StepScope
+    from erase_fx.emit.stock_switch import StockSwitch
+
+    built = []
+    monkeypatch.setattr(backend_module, "StockSwitch",
+                        lambda *args: built.append(StockSwitch(*args)) or built[-1])
+    eager = Float16Chain()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="erase", options={
+        "inner": "aot_eager", "on_error": "raise", "tuning": {"stock_candidate": True}})
+    scope = StepScope()
+    for choice in (None, None, STOCK_CHOICE, None):
+        inputs = chain_inputs(batch=64)
+        for module, run in ((eager, eager), (model, compiled)):
+            module.zero_grad(set_to_none=True)
+            with scope.entered():
+                if choice is None:
+                    (run(*inputs) * SCALE).backward()
+                else:
+                    with scope.trying(choice):
+                        (run(*inputs) * SCALE).backward()
+        bitwise(eager, model)
+    assert len(built) == 1
+    # NB: the third step ran the stock candidate, past the seeded program
+    assert programs_run == ["stock", "erase", "erase"]
