@@ -49,12 +49,12 @@ def close_to_largest(reference, erased, share):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def compiled_pair(model, options, inner="aot_eager"):
+def compiled_pair(model, options, inner="aot_eager", **compile_kwargs):
     """(reference, erased) copies of ``model`` and their callables: the reference is eager
     with aot_eager inside, stock Inductor with Inductor inside."""
     reference, erased = model, copy.deepcopy(model)
     run_reference = reference if inner == "aot_eager" else torch.compile(reference)
-    run_erased = torch.compile(erased, backend="erase",
+    run_erased = torch.compile(erased, backend="erase", **compile_kwargs,
                                options={"inner": inner, "on_error": "raise", **options})
     return (reference, run_reference), (erased, run_erased)
 
@@ -158,6 +158,19 @@ def test_the_report_says_the_seed_is_learned():
     text = format_reports(erase_fx.explain(Float16Chain(), *chain_inputs()))
     assert "float16: the blocks run at the loss gradient of the last backward" in text
     assert "float16" not in format_reports(erase_fx.explain(Chain(3), *chain_inputs()))
+
+
+def test_float16_with_dynamic_shapes(programs_run):
+    """The seed is a static 0-d input whatever the graph's shapes."""
+    pair = compiled_pair(Float16Chain(), {}, dynamic=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=SCALE) for _ in pair]
+    for batch in (64, 48, 80, 33):
+        inputs = chain_inputs(batch=batch)
+        for (module, run), scaler in zip(pair, scalers):
+            module.zero_grad(set_to_none=True)
+            scaler.scale(run(*inputs)).backward()
+        bitwise(pair[0][0], pair[1][0])
+    assert programs_run == ["stock", "erase", "erase", "erase"]
 
 
 def test_float16_with_inductor_inside_as_stock_inductor(programs_run):
