@@ -195,7 +195,7 @@ class Float16Autocast(torch.nn.Module):
 def check_float16_scaler(cfg, device, options, steps=4):
     """Float16 autocast and a GradScaler, no seed given: erase (the seed learned from the
     last backward, `erase_fx.emit.loss_seed`) against eager (aot_eager) or stock Inductor
-    after each step but the first (which runs the stock compilation). Returns (max rel
+    after each step but the first (which runs as aot_eager). Returns (max rel
     grad err, early blocks, steps that ran erase's program)."""
     from erase_fx.emit.loss_seed import UntilSeeded
 

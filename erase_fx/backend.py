@@ -20,8 +20,8 @@ stock backend instead, with the reason logged and in the report.
 
 A graph that computes in float16, with no ``seed`` given, gets
 one more input, the seed its early blocks run at, learned from the loss
-gradient of its last backward (`erase_fx.emit.loss_seed`); the backend
-compiles it by the stock backend too, which runs until that first backward.
+gradient of its last backward (`erase_fx.emit.loss_seed`); until that first
+backward it runs as torch's ``aot_eager`` backend compiles it.
 
 With ``Tuning.stock_candidate``, a graph with early blocks compiled inside
 `erase_fx.compile_step` is compiled by the stock backend too, from an
@@ -291,18 +291,22 @@ def _guarded(compiled: Any, compilation: GraphCompilation) -> Any:
 
 def _until_seeded(erase: Any, original: fx.GraphModule, example_inputs: Sequence[Any],
                   seed: LossSeed, compilation: GraphCompilation) -> Any:
-    """A float16 graph with early blocks: a copy of ``original`` compiled by the stock
-    backend too, run until a backward has taught the graph its loss seed
-    (`erase_fx.emit.loss_seed`), then ``erase``."""
+    """A float16 graph with early blocks: a copy of ``original`` compiled by torch's
+    ``aot_eager`` backend too (no code generation: it runs once), run until a backward
+    has taught the graph its loss seed (`erase_fx.emit.loss_seed`), then ``erase``.
+    Where the seed cannot be learned (no loss is an output the graph can watch), the copy
+    is compiled by the inner compiler's stock backend, and runs always."""
     seed.losses = compilation.joint.found.loss_outputs
+    inner = "aot_eager"
     if not seed.losses:
         log.warning("erase_fx graph %d computes in float16 and none of its early blocks' "
                     "losses is an output it can watch for the loss gradient: it runs its stock "
                     "compilation (options={'seed': s} runs the blocks early at s)",
                     compilation.graph_id)
-    stock = stock_backend(compilation.cfg.inner)(copy_graph_module(original), example_inputs)
-    log.info("erase_fx graph %d: computes in float16: runs its stock compilation until a "
-             "backward gives its losses their gradient, then its early blocks at that gradient",
+        inner = compilation.cfg.inner
+    stock = stock_backend(inner)(copy_graph_module(original), example_inputs)
+    log.info("erase_fx graph %d: computes in float16: runs as aot_eager until a backward "
+             "gives its losses their gradient, then its early blocks at that gradient",
              compilation.graph_id)
     # NB: like AOTAutograd's own result, Dynamo must not trace into the switch.
     return torch._dynamo.disable(UntilSeeded(erase, stock, seed))

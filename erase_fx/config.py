@@ -273,9 +273,9 @@ class EraseConfig:
             whose early blocks run at the loss gradient its last backward got
             (`erase_fx.emit.loss_seed`): float16 gradients computed at 1 and
             scaled to a GradScaler's ``T`` (65536 at its start) underflow where
-            the backward run with ``T`` does not. Such a graph is compiled by
-            the stock backend too, which runs until its first backward; after
-            the scaler backs off it may skip one more step. A given seed is
+            the backward run with ``T`` does not. Until its first backward such
+            a graph runs as torch's ``aot_eager`` backend compiles it (eager's
+            kernels); after the scaler backs off it may skip one more step. A given seed is
             bitwise as eager while ``T`` equals it, but an early backward that
             overflows at it does so at every step, and the scaler's skipped
             steps never end. bfloat16 and float32 need no seed.

@@ -237,7 +237,8 @@ class GraphReport:
             user's function returns; set by `erase_fx.explain`.
         learned_seed: the early blocks run at the loss gradient of the graph's
             last backward, not at ``seed``: a graph that computes in float16
-            (`erase_fx.emit.loss_seed`); its stock compilation runs until then.
+            (`erase_fx.emit.loss_seed`); until its first backward it runs as
+            ``aot_eager``.
     """
 
     graph_id: int

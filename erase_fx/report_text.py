@@ -204,8 +204,8 @@ def _heading(report: GraphReport, number: int) -> str:
         + (_count(report.streams, "side stream") if report.streams
            else "no side stream (the forward in one graph)")
         + (", each block's stage on its side stream" if report.stages_on_side else "")
-        + ("\n  float16: the blocks run at the loss gradient of the last backward (the stock "
-           "compilation runs until the first)" if report.learned_seed else "")
+        + ("\n  float16: the blocks run at the loss gradient of the last backward (aot_eager "
+           "runs the graph until the first)" if report.learned_seed else "")
         + (f"\n  each block makes its own copy of {_count(report.input_copies, 'value')} made "
            f"from the inputs alone ({report.input_copy_bytes / 2**20:.1f} MiB; "
            "copy_input_values)" if report.input_copies else "")

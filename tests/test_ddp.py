@@ -97,7 +97,7 @@ def run_ddp(tmp_path, optimize_ddp: bool, bucket_cap_mb: float,
     ("towers", False, 25.0, 1, 2, None),  # the towers' parts; the shared front after the sum
     # no side stream: no early all-reduce, DDP's buckets reduce every gradient
     ("chain", True, 1.0, 1, 2, {"streams": 0}),
-    # float16 autocast at T = 2**16: the first step runs the stock compilation, the second
+    # float16 autocast at T = 2**16: the first step runs as aot_eager, the second
     # erase's at the seed the first taught it
     ("float16", True, 1.0, 1, 2, None),
 ])

@@ -144,7 +144,7 @@ def test_float16_gradients_scaled_by_a_scale_float16_cannot_hold():
 
 
 def test_float16_blocks_run_early_at_the_last_loss_gradient(programs_run):
-    """No seed given: the first step runs the stock compilation and teaches the graph T;
+    """No seed given: the first step runs as aot_eager and teaches the graph T;
     from the second on, the early blocks run at it, bitwise as eager (at seed 1, nearly
     every element of their gradients differed)."""
     reports = scaler_steps(Float16Chain(), {}, scale=SCALE, check=bitwise, steps=4, batch=64)

@@ -26,8 +26,9 @@ previous one: after a growth (``T = 2 s``) the result is the same up to
 float16's denormals; after a backoff the early copy runs at the scale that
 overflowed, and likely overflows again, so the scaler skips one more step and
 halves once more than it would have. A graph whose seed is not known yet (no
-backward has reached its losses) runs its stock compilation (`UntilSeeded`),
-exactly as ``torch.compile`` would.
+backward has reached its losses) runs as torch's ``aot_eager`` backend
+compiles it (`UntilSeeded`): eager's kernels, exact as eager, and a compile
+that costs one trace, not a second code generation, for the one step it runs.
 
 Under DistributedDataParallel every rank learns the same seed (the scaler's
 scale is the same on every rank) and switches at the same step. Not built:
@@ -64,7 +65,7 @@ class LossSeed:
             updated in place, so its memory is the same at every call (a CUDA graph
             reads it where it is).
         known: whether a backward has reached the blocks' losses since the graph was
-            compiled (before that, `UntilSeeded` runs the stock compilation).
+            compiled (before that, `UntilSeeded` runs the graph's stock compilation).
         losses: the indices, among the compiled graph's outputs, of the blocks' losses
             (set once the blocks are found); the seed is learned from their gradients.
     """
@@ -160,7 +161,8 @@ class UntilSeeded:
 
     Attributes:
         erase: erase's compiled function, the seed passed (`with_seed`).
-        stock: the stock backend's compiled function for the same graph.
+        stock: a stock backend's compiled function for the same graph (``aot_eager``,
+            which runs once, or the inner compiler's where the seed cannot be learned).
         seed: the graph's `LossSeed`; each stock forward is watched to learn it.
     """
 
