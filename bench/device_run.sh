@@ -24,6 +24,9 @@
 #   bash bench/device_run.sh plan-c    after plan-b passes: /release-lag=record-stream against the
 #                                      default and stock on gpt:16, ctr:16384 (~8 min, estimated)
 #   bash bench/device_run.sh plan-d    the same on mlp:128 and DGL ResNet-18 (~8 min, estimated)
+#   bash bench/device_run.sh fp16-a    float16 autocast at a GradScaler's scale (the learned seed):
+#                                      gpt-fp16:16 beside gpt:16 (bf16), step API and drop-in pairs
+#                                      (~9 min, estimated)
 #
 # Regenerate the result tables
 #   bash bench/device_run.sh bench-a   bench.run on the three small configs, with one-stream rows
@@ -135,6 +138,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   dropin-a|dropin-b|dropin-c|launch-a|patterns-prof|stock-a|plan-a|plan-b|plan-c|plan-d) ;;
+  fp16-a) ;;
   bench-a|bench-b|step|memory-a|memory-b|models-a|models-b|models-c|models-d) ;;
   patterns-a|patterns-b|frameworks-a|frameworks-b|towers) ;;
   paper|paper-ctr-a|paper-ctr-b|paper-ctr-c|paper-ctr-speed|checks) ;;
@@ -517,6 +521,10 @@ sys.exit(main(sys.argv[1:]))" --budget-s 250 --streams '' \
   stock-a)
     run stock-a pattern-vgg_local_loss:256:64:4,mlp:128:2000:2000:4,tv-resnet18-dgl:256:32 \
       inductor+step,erase+step,erase+step/stock-candidate --sweep-configs '' --trials 5 \
+      2>&1 | grep -v '^erase_fx: graph' || true ;;
+  fp16-a)
+    run fp16-a gpt-fp16:16:384:256:8,gpt:16:384:256:8 \
+      inductor+step,erase+step,reduce-overhead,erase+graphs --sweep-configs '' --trials 3 \
       2>&1 | grep -v '^erase_fx: graph' || true ;;
   dropin-c)
     for config in tv-resnet18-dgl:256:32 mlp:128:2000:2000:4; do

@@ -26,7 +26,8 @@ A chain config is written ``kind:B:d:h:K``, e.g. ``ctr:1024:512:1024:6``.
 detached pre-LN transformer blocks (causal SDPA attention, MLP), each with
 a local LM head (LayerNorm, linear to a vocabulary of 8192, cross-entropy on
 the next tokens); d/64 heads; bf16 autocast; ``gpt-soft:B:d:T:K`` learns
-label-smoothed soft targets made in the forward instead. ``tv-<name>:B:image``: the
+label-smoothed soft targets made in the forward instead; ``gpt-fp16:B:d:T:K`` runs under
+float16 autocast, its loss scaled by a GradScaler's first scale (2**16, fixed). ``tv-<name>:B:image``: the
 torchvision models of `bench.vision`. ``pattern-<name>:B[:width[:depth]]``: the
 patterns of user code in `bench.user_patterns` at bench sizes, each with its own
 ``loss_of`` (`bench.user_patterns.PatternConfig`). `parse_config` reads every kind,
@@ -250,30 +251,40 @@ GPT_HEAD_DIM = 64
 
 #: Label smoothing of ``gpt-soft`` configs' soft targets.
 GPT_SMOOTHING = 0.1
+#: The GPT configs' kinds (`GPTConfig`).
+GPT_KINDS = ("gpt", "gpt-soft", "gpt-fp16")
+#: ``gpt-fp16``'s loss scale: a GradScaler's first (``init_scale``).
+GPT_FP16_LOSS_SCALE = 2.0 ** 16
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """``gpt:B:d:T:K``: batch B of T tokens, width d (d/64 heads), K detached blocks.
     ``gpt-soft:B:d:T:K``: the same, each head learning label-smoothed soft targets made in
-    the forward (`GPTChain`)."""
+    the forward (`GPTChain`). ``gpt-fp16:B:d:T:K``: under float16 autocast instead of
+    bfloat16, its loss scaled by `GPT_FP16_LOSS_SCALE` (the loss gradient a GradScaler
+    gives at its start, held fixed: a GradScaler's step reads its inf check on the host,
+    which no step capture takes); erase_fx learns it as its seed."""
 
     batch: int
     d: int
     seq: int
     blocks: int
     soft_targets: bool = False
+    fp16: bool = False
 
     @property
     def kind(self) -> str:
-        return "gpt-soft" if self.soft_targets else "gpt"
+        return "gpt-soft" if self.soft_targets else "gpt-fp16" if self.fp16 else "gpt"
 
     @classmethod
     def parse(cls, text: str) -> GPTConfig:
         kind, *numbers = text.split(":")
-        if kind not in ("gpt", "gpt-soft") or len(numbers) != 4:
-            raise ValueError(f"config {text!r} is not gpt:B:d:T:K or gpt-soft:B:d:T:K")
-        cfg = cls(*(int(n) for n in numbers), soft_targets=kind == "gpt-soft")
+        if kind not in GPT_KINDS or len(numbers) != 4:
+            raise ValueError(f"config {text!r} is not one of "
+                             + ", ".join(f"{k}:B:d:T:K" for k in GPT_KINDS))
+        cfg = cls(*(int(n) for n in numbers), soft_targets=kind == "gpt-soft",
+                  fp16=kind == "gpt-fp16")
         if cfg.d % GPT_HEAD_DIM:
             raise ValueError(f"config {text!r}: d must be a multiple of {GPT_HEAD_DIM} "
                              f"(heads of {GPT_HEAD_DIM})")
@@ -364,7 +375,7 @@ class GPTChain(nn.Module):
                 else:
                     local = F.cross_entropy(logits, targets.flatten())
                 loss = local if loss is None else loss + local
-        return loss
+        return loss * GPT_FP16_LOSS_SCALE if self.cfg.fp16 else loss
 
 
 def gpt_inputs(cfg: GPTConfig, device: torch.device, generator: torch.Generator | None = None):
@@ -388,7 +399,7 @@ def parse_config(text: str):
     """A `ChainConfig`, `GPTConfig`, `bench.vision.VisionConfig` or
     `bench.user_patterns.PatternConfig` from its text."""
     kind = text.split(":")[0]
-    if kind in ("gpt", "gpt-soft"):
+    if kind in GPT_KINDS:
         return GPTConfig.parse(text)
     if kind.startswith("tv-"):
         from bench.vision import VisionConfig
@@ -404,7 +415,7 @@ def parse_config(text: str):
     from bench.vision import VISION_NAMES
 
     raise ValueError(f"config {text!r}: kind {kind!r} is not one of {', '.join(KINDS)} "
-                     f"(kind:B:d:h:K), gpt or gpt-soft (gpt:B:d:T:K), "
+                     f"(kind:B:d:h:K), gpt, gpt-soft or gpt-fp16 (gpt:B:d:T:K), "
                      f"{', '.join(VISION_NAMES)} "
                      f"(name:B:image), "
                      f"{', '.join('pattern-' + name for name in BENCH_SIZES)} "
@@ -445,7 +456,8 @@ def build_with_loss(cfg, device: torch.device, generator: torch.Generator | None
     if isinstance(cfg, ChainConfig):
         return DetachedChain(cfg).to(device), make_inputs(cfg, device, generator), None
     if isinstance(cfg, GPTConfig):
-        return GPTChain(cfg).to(device), gpt_inputs(cfg, device, generator), None
+        model = GPTChain(cfg, amp_dtype=torch.float16) if cfg.fp16 else GPTChain(cfg)
+        return model.to(device), gpt_inputs(cfg, device, generator), None
     from bench.user_patterns import PatternConfig, build_pattern
 
     if isinstance(cfg, PatternConfig):

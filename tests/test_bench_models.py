@@ -11,7 +11,8 @@ from bench.vision import VisionConfig
     ("ctr:1024:512:1024:6", ChainConfig), ("mlp:128:2000:2000:4", ChainConfig),
     ("ctr-towers:4096:1024:2048:6", ChainConfig), ("mlp-towers-top:8:16:32:3", ChainConfig),
     ("gpt:8:768:1024:6", GPTConfig), ("gpt:16:384:256:8", GPTConfig),
-    ("gpt-soft:16:384:256:8", GPTConfig), ("tv-resnet18:256:32", VisionConfig), ("tv-resnet18-dgl:256:32", VisionConfig),
+    ("gpt-soft:16:384:256:8", GPTConfig), ("gpt-fp16:16:384:256:8", GPTConfig),
+    ("tv-resnet18:256:32", VisionConfig), ("tv-resnet18-dgl:256:32", VisionConfig),
     ("tv-googlenet-aux:128:64", VisionConfig), ("tv-mobilenet-dgl:256:64", VisionConfig),
     ("tv-efficientnet-dgl:128:64", VisionConfig), ("tv-vit-dgl:256:32", VisionConfig),
 ])
@@ -21,13 +22,13 @@ def test_every_config_kind_parses_and_prints_back(text, kind):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("gpt:8:768:1024", "is not gpt:B:d:T:K"),
+    ("gpt:8:768:1024", "is not one of gpt:B:d:T:K, gpt-soft:B:d:T:K, gpt-fp16:B:d:T:K"),
     ("gpt:8:100:1024:6", "multiple of 64"),
     ("tv-resnet18-dgl:256", "is not name:B:image"),
     ("tv-resnet50:256:32", "with name one of tv-resnet18"),
     ("mlp:1:2:3", "is not kind:B:d:h:K"),
-    ("transformer:1:2:3:4", "gpt or gpt-soft (gpt:B:d:T:K)"),
-    ("gpt-soft:8:768:1024", "is not gpt:B:d:T:K or gpt-soft:B:d:T:K"),
+    ("transformer:1:2:3:4", "gpt, gpt-soft or gpt-fp16 (gpt:B:d:T:K)"),
+    ("gpt-soft:8:768:1024", "is not one of gpt:B:d:T:K"),
 ])
 def test_malformed_configs_say_what_is_expected(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -128,6 +129,36 @@ def test_build_config_gives_model_and_batch_of_each_kind():
     gpt, (tokens, targets) = models.build_config(parse_config("gpt:2:64:8:2"), cpu)
     assert isinstance(gpt, GPTChain) and gpt.amp_dtype == torch.bfloat16
     assert tokens.shape == (2, 8)
+    fp16, _ = models.build_config(parse_config("gpt-fp16:2:64:8:2"), cpu)
+    assert fp16.amp_dtype == torch.float16 and fp16.cfg.kind == "gpt-fp16"
+
+
+def test_gpt_fp16_scales_its_loss_and_learns_its_seed_under_erase():
+    """``gpt-fp16``: float16 autocast, the loss times a GradScaler's first scale; erase_fx
+    runs its blocks early at the seed it learns (aot_eager on the first step), bitwise as
+    eager from then on."""
+    import copy
+
+    import erase_fx
+    from graphs import assert_same_grads
+
+    cfg = parse_config("gpt-fp16:2:64:8:3")
+    torch.manual_seed(0)
+    eager = models.build_config(cfg, torch.device("cpu"))[0]
+    erased = copy.deepcopy(eager)
+    compiled = torch.compile(erased, backend="erase",
+                             options={"inner": "aot_eager", "on_error": "raise"})
+    with erase_fx.collect_reports() as reports:
+        for _ in range(3):
+            inputs = models.gpt_inputs(cfg, torch.device("cpu"))
+            for module, run in ((eager, eager), (erased, compiled)):
+                module.zero_grad(set_to_none=True)
+                loss = run(*inputs)
+                loss.backward()
+            assert 3 * 8.5 * models.GPT_FP16_LOSS_SCALE < float(loss.detach())
+            assert_same_grads(eager, erased, rtol=0, atol=0)
+    (report,) = reports
+    assert report.learned_seed and len(report.blocks) == cfg.blocks - 1
 
 
 def test_check_models_marks_a_model_cut_by_the_budget_incomplete():
