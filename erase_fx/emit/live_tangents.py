@@ -61,6 +61,23 @@ def plain_outputs(joint: fx.GraphModule) -> dict[str, int]:
     return found
 
 
+def node_of_outputs(outputs: Any, indices: Sequence[int]) -> tuple[Any, tuple[int, ...]] | None:
+    """The autograd node that makes the compiled graph's ``outputs`` at ``indices``, and
+    the position of each among its outputs (``output_nr``: where a pre-hook's
+    ``grad_outputs`` holds its gradient); None where there are none, or they are not
+    all tensors made by one node (one does not require grad, autograd regenerated it)."""
+    values = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    if not indices or max(indices) >= len(values):
+        return None
+    watched = [values[i] for i in indices]
+    if not all(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in watched):
+        return None
+    node = watched[0].grad_fn
+    if any(v.grad_fn is not node for v in watched):
+        return None
+    return node, tuple(v.output_nr for v in watched)
+
+
 @dataclasses.dataclass(frozen=True)
 class WatchedLoss:
     """An early block's loss, an output of the compiled graph.
@@ -103,18 +120,11 @@ class LiveTangents:
 
     def watch(self, outputs: Any) -> None:
         """Hook the autograd node of one forward's ``outputs`` (the compiled graph's)."""
-        values = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
         losses = () if self.unused_losses else self.losses
-        indices = self.outputs + tuple(loss.output for loss in losses)
-        if not indices or max(indices) >= len(values):
+        found = node_of_outputs(outputs, self.outputs + tuple(loss.output for loss in losses))
+        if found is None:
             return
-        watched = [values[i] for i in indices]
-        if not all(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in watched):
-            return
-        node = watched[0].grad_fn
-        if any(v.grad_fn is not node for v in watched):
-            return
-        positions = tuple(v.output_nr for v in watched)
+        node, positions = found
         split = len(self.outputs)
         node.register_prehook(functools.partial(
             self._record, positions[:split], tuple(zip(losses, positions[split:]))))

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from erase_fx.emit.inner import stream_capturing
+from erase_fx.emit.live_tangents import node_of_outputs
 
 #: The name of the placeholder `add_seed_input` adds to Dynamo's graph.
 SEED_INPUT = "erase_fx_loss_seed"
@@ -65,7 +66,7 @@ class LossSeed:
             updated in place, so its memory is the same at every call (a CUDA graph
             reads it where it is).
         known: whether a backward has reached the blocks' losses since the graph was
-            compiled (before that, `UntilSeeded` runs the graph's stock compilation).
+            compiled (before that, `UntilSeeded` runs the graph as ``aot_eager`` does).
         losses: the indices, among the compiled graph's outputs, of the blocks' losses
             (set once the blocks are found); the seed is learned from their gradients.
     """
@@ -82,16 +83,10 @@ class LossSeed:
         learn the seed from its losses' gradients. Where a loss is not an output of that
         node (none requires grad, or autograd regenerated it), nothing is learned from
         this forward: its backward leaves the seed as it is."""
-        values = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
-        if not self.losses or max(self.losses) >= len(values):
-            return
-        watched = [values[i] for i in self.losses]
-        if not all(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in watched):
-            return
-        node = watched[0].grad_fn
-        if any(v.grad_fn is not node for v in watched):
-            return
-        node.register_prehook(functools.partial(self._learn, tuple(v.output_nr for v in watched)))
+        found = node_of_outputs(outputs, self.losses)
+        if found is not None:
+            node, positions = found
+            node.register_prehook(functools.partial(self._learn, positions))
 
     def _learn_from(self, positions: tuple[int, ...], grad_outputs: Sequence[Any]) -> None:
         grads = [grad_outputs[p] for p in positions if grad_outputs[p] is not None]
@@ -123,15 +118,11 @@ def add_seed_input(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     fake_mode = detect_fake_mode(example_inputs)
     fake = fake_mode.from_tensor(seed.value, static_shapes=True) if fake_mode else seed.value
-    last = None
-    for last in gm.graph.find_nodes(op="placeholder"):
-        pass
-    if last is None:
-        with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
-            node = gm.graph.placeholder(SEED_INPUT)
-    else:
-        with gm.graph.inserting_after(last):
-            node = gm.graph.placeholder(SEED_INPUT)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    where = (gm.graph.inserting_after(placeholders[-1]) if placeholders
+             else gm.graph.inserting_before(next(iter(gm.graph.nodes))))
+    with where:
+        node = gm.graph.placeholder(SEED_INPUT)
     node.meta["example_value"] = fake
     node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
     node._dynamo_source = None
