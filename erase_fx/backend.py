@@ -18,10 +18,10 @@ Under ``on_error="fallback"`` a failure anywhere in that (erase_fx's passes,
 or a stock pass that erase_fx's presence upset) compiles the graph with the
 stock backend instead, with the reason logged and in the report.
 
-A graph that computes in float16, with no ``seed`` given, gets
-one more input, the seed its early blocks run at, learned from the loss
-gradient of its last backward (`erase_fx.emit.loss_seed`); until that first
-backward it runs as torch's ``aot_eager`` backend compiles it.
+A graph that computes in float16, with no ``seed`` given, gets one more
+input, the seed its early blocks run at, learned from the loss gradient of
+its last backward (`erase_fx.emit.loss_seed`); until that first backward it
+runs as torch's ``aot_eager`` backend compiles it.
 
 With ``Tuning.stock_candidate``, a graph with early blocks compiled inside
 `erase_fx.compile_step` is compiled by the stock backend too, from an
@@ -100,8 +100,8 @@ def erase_backend(
                                "no mode: erase_fx takes its settings in options={...}")
     cfg = EraseConfig.from_options(options)
     # NB: stock compilers take ownership of the graph they compile and may
-    # change it; the fallback, the stock candidate and a float16 graph's stock
-    # compilation (run until its seed is learned) compile an untouched copy.
+    # change it; the fallback, the stock candidate and a float16 graph's first
+    # program (run until its seed is learned) compile an untouched copy.
     seed = (LossSeed(cuda_device_of(example_inputs) or torch.device("cpu"))
             if cfg.seed is None and computes_in_float16(gm) else None)
     stock_candidate = cfg.tuning.stock_candidate and current_scope() is not None
@@ -297,17 +297,18 @@ def _until_seeded(erase: Any, original: fx.GraphModule, example_inputs: Sequence
     Where the seed cannot be learned (no loss is an output the graph can watch), the copy
     is compiled by the inner compiler's stock backend, and runs always."""
     seed.losses = compilation.joint.found.loss_outputs
-    inner = "aot_eager"
-    if not seed.losses:
+    if seed.losses:
+        inner = "aot_eager"
+        log.info("erase_fx graph %d: computes in float16: runs as aot_eager until a backward "
+                 "gives its losses their gradient, then its early blocks at that gradient",
+                 compilation.graph_id)
+    else:
+        inner = compilation.cfg.inner
         log.warning("erase_fx graph %d computes in float16 and none of its early blocks' "
                     "losses is an output it can watch for the loss gradient: it runs its stock "
                     "compilation (options={'seed': s} runs the blocks early at s)",
                     compilation.graph_id)
-        inner = compilation.cfg.inner
     stock = stock_backend(inner)(copy_graph_module(original), example_inputs)
-    log.info("erase_fx graph %d: computes in float16: runs as aot_eager until a backward "
-             "gives its losses their gradient, then its early blocks at that gradient",
-             compilation.graph_id)
     # NB: like AOTAutograd's own result, Dynamo must not trace into the switch.
     return torch._dynamo.disable(UntilSeeded(erase, stock, seed))
 
