@@ -275,10 +275,11 @@ class EraseConfig:
             scaled to a GradScaler's ``T`` (65536 at its start) underflow where
             the backward run with ``T`` does not. Until its first backward such
             a graph runs as torch's ``aot_eager`` backend compiles it (eager's
-            kernels); after the scaler backs off it may skip one more step. A given seed is
-            bitwise as eager while ``T`` equals it, but an early backward that
-            overflows at it does so at every step, and the scaler's skipped
-            steps never end. bfloat16 and float32 need no seed.
+            kernels); after the scaler backs off it may skip one more step. A
+            given seed is bitwise as eager while ``T`` equals it, but an early
+            backward that overflows at it does so at every step, and the
+            scaler's skipped steps never end. bfloat16 and float32 need no
+            seed.
         cudagraphs: replay the compiled forward (side streams included) and
             backward from CUDA graphs, so a step costs two launches instead
             of one per kernel. ``None`` (default): on for graphs on a CUDA
