@@ -500,8 +500,12 @@ class GraphCompilation:
         by name, or None where the graph has none."""
         if self.request.loss_seed is None:
             return None
-        return next(node.name for node, name in zip(primals(joint.graph), primal_names)
-                    if name == SEED_INPUT)
+        found = next((node.name for node, name in zip(primals(joint.graph), primal_names)
+                      if name == SEED_INPUT), None)
+        if found is None:
+            raise GraphInvariantError("partition", f"no joint-graph input is {SEED_INPUT}, the "
+                                      "learned seed's placeholder the backend added")
+        return found
 
     def _note_forward_metadata(self) -> Any:
         """AOT's metadata of the forward being compiled (None outside AOT); the backward
